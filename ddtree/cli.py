@@ -1,0 +1,63 @@
+"""Command line: ``ddtree generate`` (``serve``, ``bench`` and ``train-drafter`` come with their issues)."""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+
+def _add_model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--target", default=None, help="HF folder or .gguf file (default: SmolLM2-135M-Instruct)")
+    p.add_argument("--drafter", default=None, help="DFlash drafter folder, or 'random' (default: the shipped one)")
+    p.add_argument("--method", default="ddtree", choices=["ar", "dflash", "ddtree"])
+    p.add_argument("--budget", type=int, default=32, help="DDTree node budget")
+    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
+    p.add_argument("--dtype", default=None, help="float32 or bfloat16 (default: fp32 on CPU, bf16 on CUDA)")
+    p.add_argument("--max-model-len", type=int, default=2048)
+
+
+def cmd_generate(args) -> int:
+    from ddtree import LLM, SamplingParams
+
+    llm = LLM(target=args.target, drafter=args.drafter, method=args.method, budget=args.budget,
+              device=args.device, dtype=args.dtype, max_model_len=args.max_model_len)
+    params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+                            max_tokens=args.max_tokens, seed=args.seed)
+    start = time.perf_counter()
+    if args.raw:
+        out = llm.generate(args.prompt, params)[0]
+    else:
+        out = llm.chat([{"role": "user", "content": args.prompt}], params)[0]
+    elapsed = time.perf_counter() - start
+    print(out.text)
+    n = len(out.token_ids)
+    print(f"\n[{args.method}{'' if args.method != 'ddtree' else f' budget={args.budget}'}] "
+          f"{n} tokens in {elapsed:.2f}s ({n / elapsed:.1f} tok/s), "
+          f"tau={out.metrics.mean_accepted_length:.2f} over {out.metrics.num_verify_steps} verify steps, "
+          f"finish_reason={out.finish_reason}", file=sys.stderr)
+    return 0
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="ddtree", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    g = sub.add_parser("generate", help="generate text for one prompt and print it with tau")
+    g.add_argument("prompt", nargs="?", default="Write a Python function that checks whether a number is prime.")
+    _add_model_args(g)
+    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--max-tokens", type=int, default=128)
+    g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--raw", action="store_true", help="do not apply the chat template")
+    g.set_defaults(func=cmd_generate)
+    args = parser.parse_args(argv)
+    try:
+        return args.func(args)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,40 @@
+from __future__ import annotations
+
+from ddtree.engine.sequence import Sequence
+
+
+class BlockManager:
+    """Paged KV blocks shared by the target cache and the drafter's context cache (both index
+    the same slots: slot = block * block_size + offset)."""
+
+    def __init__(self, num_blocks: int, block_size: int):
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.free: list[int] = list(range(num_blocks - 1, -1, -1))
+
+    @property
+    def num_free(self) -> int:
+        return len(self.free)
+
+    def blocks_needed(self, seq: Sequence, num_slots: int) -> int:
+        want = -(-num_slots // self.block_size)
+        return max(0, want - len(seq.block_table))
+
+    def can_reserve(self, seq: Sequence, num_slots: int) -> bool:
+        return self.blocks_needed(seq, num_slots) <= self.num_free
+
+    def reserve(self, seq: Sequence, num_slots: int) -> None:
+        """Make sure ``seq`` owns slots for positions 0..num_slots-1."""
+        need = self.blocks_needed(seq, num_slots)
+        if need > self.num_free:
+            raise RuntimeError("out of KV blocks")  # callers check can_reserve first
+        for _ in range(need):
+            seq.block_table.append(self.free.pop())
+
+    def release(self, seq: Sequence) -> None:
+        self.free.extend(reversed(seq.block_table))
+        seq.block_table = []
+
+    def slots(self, seq: Sequence, start: int, end: int) -> list[int]:
+        bs, table = self.block_size, seq.block_table
+        return [table[p // bs] * bs + p % bs for p in range(start, end)]

@@ -1,0 +1,212 @@
+"""Runs the models for one engine step. A decode round reads like the DDTree reference:
+draft -> build -> verify -> accept -> commit, one named method each. ``ar`` is the same round
+with an empty tree and ``dflash`` with a chain of the drafter's argmax tokens."""
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+from dataclasses import dataclass
+
+import torch
+
+from ddtree.context import AttentionContext
+from ddtree.engine.block_manager import BlockManager
+from ddtree.engine.sequence import Sequence
+from ddtree.models.decoder import DecoderLM
+from ddtree.models.dflash import DFlashDrafter
+from ddtree.tree import (accept_walk, ancestor_mask, build_tree_batched, chain_tree, gather_rows,
+                         sample_from_logits, with_root)
+
+METHODS = ("ar", "dflash", "ddtree")
+
+
+@dataclass
+class Tree:
+    tokens: torch.Tensor   # [N, T] root at 0
+    parents: torch.Tensor  # [N, T]
+    depths: torch.Tensor   # [N, T]
+    max_depth: int
+
+    @property
+    def size(self) -> int:
+        return self.tokens.shape[1]
+
+
+@dataclass
+class Accepted:
+    path: torch.Tensor          # [N, max_depth+1] node indices, root first
+    num_accepted: torch.Tensor  # [N] nodes on the path incl. root = tokens committed
+    bonus: torch.Tensor         # [N]
+
+
+class StageTimer:
+    """Wall time per stage (on CUDA it synchronises, so use it for breakdowns, not for speed)."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.totals: dict[str, float] = defaultdict(float)
+
+    def __call__(self, name: str):
+        timer = self
+
+        class _Span:
+            def __enter__(self):
+                if timer.device.type == "cuda":
+                    torch.cuda.synchronize(timer.device)
+                self.t0 = time.perf_counter()
+
+            def __exit__(self, *exc):
+                if timer.device.type == "cuda":
+                    torch.cuda.synchronize(timer.device)
+                timer.totals[name] += time.perf_counter() - self.t0
+
+        return _Span()
+
+
+class ModelRunner:
+    def __init__(self, target: DecoderLM, drafter, method: str, budget: int, blocks: BlockManager,
+                 device: torch.device, dtype: torch.dtype):
+        self.target, self.drafter, self.method, self.budget = target, drafter, method, budget
+        self.blocks, self.device, self.dtype = blocks, device, dtype
+        self.timer = StageTimer(device)
+        num_slots = blocks.num_blocks * blocks.block_size
+        self.target_kv = self._alloc_kv(target.kv_shape(), num_slots)
+        self.drafter_kv = []
+        if isinstance(drafter, DFlashDrafter) and method != "ar":
+            self.drafter_kv = self._alloc_kv(drafter.kv_shape(), num_slots)
+        self.taps = tuple(getattr(drafter, "taps", ())) if method != "ar" else ()
+
+    def _alloc_kv(self, shape, num_slots):
+        layers, heads, dim = shape
+        return [(torch.zeros(num_slots, heads, dim, device=self.device, dtype=self.dtype),
+                 torch.zeros(num_slots, heads, dim, device=self.device, dtype=self.dtype))
+                for _ in range(layers)]
+
+    @property
+    def lookahead(self) -> int:
+        """Cache slots a decode step writes past the committed prefix (root + tree nodes)."""
+        if self.method == "ar":
+            return 1
+        if self.method == "dflash":
+            return self.drafter.block_size
+        return self.budget + 1
+
+    def _slots(self, seq: Sequence, start: int, end: int) -> torch.Tensor:
+        return torch.tensor(self.blocks.slots(seq, start, end), dtype=torch.long, device=self.device)
+
+    def _tensor(self, values, dtype=torch.long) -> torch.Tensor:
+        return torch.tensor(values, dtype=dtype, device=self.device)
+
+    # ---- prefill -----------------------------------------------------------------------------
+    @torch.inference_mode()
+    def prefill(self, seqs: list[Sequence], chunks: list[int]) -> None:
+        """Run the target over uncached prompt tokens (never the last one: it is the first root)."""
+        ids, pos, starts, slot_lists = [], [], [0], []
+        for seq, n in zip(seqs, chunks):
+            a, b = seq.num_cached, seq.num_cached + n
+            ids += seq.token_ids[a:b]
+            pos += range(a, b)
+            starts.append(starts[-1] + n)
+            slot_lists.append(self._slots(seq, a, b))
+        ctx = AttentionContext(query_starts=starts, cached_lens=[s.num_cached for s in seqs],
+                               cached_slots=[self._slots(s, 0, s.num_cached) for s in seqs],
+                               slot_mapping=torch.cat(slot_lists))
+        positions = self._tensor(pos)
+        with self.timer("prefill"):
+            _, taps = self.target(self._tensor(ids), positions, self.target_kv, ctx, self.taps)
+            if self.drafter_kv:
+                self.drafter.store_context(taps, positions, self.drafter_kv, ctx.slot_mapping)
+        for seq, n in zip(seqs, chunks):
+            seq.num_cached += n
+
+    # ---- one decode round --------------------------------------------------------------------
+    @torch.inference_mode()
+    def decode(self, seqs: list[Sequence]) -> list[list[int]]:
+        """One verify round for every sequence; returns the tokens each one commits."""
+        roots = self._tensor([s.token_ids[-1] for s in seqs])
+        starts = [len(s) - 1 for s in seqs]
+        with self.timer("draft"):
+            logprobs = self.draft(seqs, roots, starts)
+        with self.timer("build"):
+            tree = self.build(roots, logprobs)
+        with self.timer("verify"):
+            logits, taps, slots = self.verify(seqs, starts, tree)
+        with self.timer("accept"):
+            accepted = self.accept(seqs, tree, logits)
+        with self.timer("commit"):
+            return self.commit(seqs, starts, tree, accepted, taps, slots)
+
+    def draft(self, seqs, roots, starts) -> torch.Tensor | None:
+        """Per-depth log-probabilities [N, S-1, V] from the drafter (fp32, temperature 1)."""
+        if self.method == "ar":
+            return None
+        if not isinstance(self.drafter, DFlashDrafter):
+            return self.drafter.draft_logprobs(seqs).to(self.device)
+        S, N = self.drafter.block_size, len(seqs)
+        embeds = self.drafter.block_embeddings(roots, self.target.model.embed_tokens)
+        positions = (self._tensor(starts)[:, None] + torch.arange(S, device=self.device)).reshape(-1)
+        ctx = AttentionContext(query_starts=list(range(0, N * S + 1, S)), cached_lens=starts,
+                               cached_slots=[self._slots(s, 0, st) for s, st in zip(seqs, starts)],
+                               slot_mapping=None)
+        hidden = self.drafter(embeds, positions, self.drafter_kv, ctx).view(N, S, -1)[:, 1:]
+        return torch.log_softmax(self.target.logits(hidden.to(self.dtype)), -1)
+
+    def build(self, roots, logprobs) -> Tree:
+        N = roots.shape[0]
+        if self.method == "ar":
+            empty = torch.zeros(N, 0, dtype=torch.long, device=self.device)
+            tokens, parents, depths, max_depth = empty, empty, empty, 0
+        elif self.method == "dflash":
+            tokens, parents, depths = chain_tree(logprobs)
+            max_depth = logprobs.shape[1]
+        else:
+            tokens, parents, depths = build_tree_batched(logprobs, self.budget)
+            max_depth = logprobs.shape[1]
+        tokens, parents, depths = with_root(roots, tokens, parents, depths)
+        return Tree(tokens, parents, depths, max_depth)
+
+    def verify(self, seqs, starts, tree: Tree):
+        """One target pass over root + all nodes with the ancestor mask and depth positions."""
+        N, T = tree.tokens.shape
+        positions = (self._tensor(starts)[:, None] + tree.depths).reshape(-1)
+        slots = [self._slots(s, st, st + T) for s, st in zip(seqs, starts)]
+        ctx = AttentionContext(query_starts=list(range(0, N * T + 1, T)), cached_lens=starts,
+                               cached_slots=[self._slots(s, 0, st) for s, st in zip(seqs, starts)],
+                               slot_mapping=torch.cat(slots),
+                               tree_mask=ancestor_mask(tree.parents, tree.max_depth) if T > 1 else None)
+        hidden, taps = self.target(tree.tokens.reshape(-1), positions, self.target_kv, ctx, self.taps)
+        logits = self.target.logits(hidden).view(N, T, -1)
+        return logits, (taps.view(N, T, -1) if taps is not None else None), torch.stack(slots)
+
+    def accept(self, seqs, tree: Tree, logits) -> Accepted:
+        p = [s.params for s in seqs]
+        samples = sample_from_logits(
+            logits,
+            self._tensor([x.temperature for x in p], torch.float32),
+            self._tensor([x.top_k for x in p]),
+            self._tensor([x.top_p for x in p], torch.float32),
+            [s.generator for s in seqs])
+        path, num_accepted, bonus = accept_walk(tree.tokens, tree.parents, tree.depths, samples, tree.max_depth)
+        return Accepted(path, num_accepted, bonus)
+
+    def commit(self, seqs, starts, tree: Tree, acc: Accepted, taps, slots) -> list[list[int]]:
+        """Move accepted K/V into chain order, extend the drafter context, return new tokens."""
+        L = acc.path.shape[1]
+        keep = torch.arange(L, device=self.device)[None, :] < acc.num_accepted[:, None]  # [N, L]
+        src = gather_rows(slots, acc.path)     # slots the accepted nodes were written to
+        dst = slots[:, :L]                      # where chain order puts them
+        move = keep & (src != dst)
+        if bool(move.any()):
+            s, d = src[move], dst[move]
+            for k_cache, v_cache in self.target_kv:
+                k_cache.index_copy_(0, d, k_cache.index_select(0, s))
+                v_cache.index_copy_(0, d, v_cache.index_select(0, s))
+        if self.drafter_kv:
+            positions = (self._tensor(starts)[:, None] + torch.arange(L, device=self.device))[keep]
+            self.drafter.store_context(gather_rows(taps, acc.path)[keep], positions, self.drafter_kv, dst[keep])
+        tokens = gather_rows(tree.tokens, acc.path)
+        out = []
+        for i, (seq, n) in enumerate(zip(seqs, acc.num_accepted.tolist())):
+            seq.num_cached += n
+            out.append(tokens[i, 1:n].tolist() + [int(acc.bonus[i])])
+        return out

@@ -1,0 +1,68 @@
+from __future__ import annotations
+
+import enum
+import itertools
+from dataclasses import dataclass, field
+
+import torch
+
+from ddtree.engine.sampling_params import SamplingParams
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass
+class SequenceMetrics:
+    num_verify_steps: int = 0
+    accepted_lengths: list[int] = field(default_factory=list)  # tokens committed per verify step
+
+    @property
+    def mean_accepted_length(self) -> float:
+        return sum(self.accepted_lengths) / max(1, len(self.accepted_lengths))
+
+
+_ids = itertools.count()
+
+
+class Sequence:
+    """One request. ``token_ids`` = prompt + committed output. Invariant while running:
+    the target KV (and drafter context) cover the first ``num_cached`` tokens; decode steps run
+    with ``num_cached == len(token_ids) - 1`` (the last committed token is the next root)."""
+
+    def __init__(self, prompt_token_ids: list[int], params: SamplingParams, prompt: str | None = None,
+                 request_id: str | None = None):
+        self.seq_id = next(_ids)
+        self.request_id = request_id if request_id is not None else str(self.seq_id)
+        self.prompt = prompt
+        self.token_ids = list(prompt_token_ids)
+        self.num_prompt_tokens = len(prompt_token_ids)
+        self.params = params
+        self.status = Status.WAITING
+        self.num_cached = 0
+        self.block_table: list[int] = []
+        self.finish_reason: str | None = None
+        self.error: str | None = None
+        self.text = ""
+        self.metrics = SequenceMetrics()
+        self.generator: torch.Generator | None = None
+        if params.seed is not None:
+            self.generator = torch.Generator().manual_seed(params.seed)
+
+    def __len__(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status == Status.FINISHED
