@@ -67,14 +67,18 @@ class LLMEngine:
         bytes_per_slot = self._bytes_per_slot(target, drafter if config.method != "ar" else None, dtype)
         num_blocks = int(config.kv_cache_gb * 2**30 // (bytes_per_slot * config.block_size))
         self.blocks = BlockManager(num_blocks, config.block_size)
-        self.runner = ModelRunner(target, drafter, config.method, config.budget, self.blocks, device, dtype)
-        need = self.max_model_len + self.runner.lookahead
+        self.drafter = drafter if config.method != "ar" else None
+        self.runner = ModelRunner(target, self.drafter, self.blocks, device, dtype)
+        need = self.max_model_len + max(self.runner.lookahead(m, config.budget) for m in self._methods())
         if num_blocks * config.block_size < need:
             raise ValueError(f"kv_cache_gb={config.kv_cache_gb} holds {num_blocks * config.block_size} tokens, "
                              f"fewer than one request of max_model_len {self.max_model_len} needs ({need})")
         self.scheduler = Scheduler(self.blocks, config.max_num_seqs,
                                    max(config.max_num_batched_tokens, 1))
         self.seqs: dict[str, Sequence] = {}
+
+    def _methods(self) -> tuple[str, ...]:
+        return METHODS if self.drafter is not None else ("ar",)
 
     @staticmethod
     def _eos_ids(tokenizer) -> set[int]:
@@ -95,8 +99,10 @@ class LLMEngine:
 
     # ---- requests ----------------------------------------------------------------------------
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams, prompt: str | None = None,
-                    request_id: str | None = None) -> Sequence:
-        """Validate and queue one request. A bad request raises ValueError and changes nothing."""
+                    request_id: str | None = None, method: str | None = None,
+                    budget: int | None = None) -> Sequence:
+        """Validate and queue one request. A bad request raises ValueError and changes nothing.
+        ``method``/``budget`` override the engine's speculative settings for this request."""
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
         params.validate()
@@ -111,7 +117,17 @@ class LLMEngine:
                              f"max_model_len is {self.max_model_len} (prompt + at least 1 output token)")
         if request_id is not None and request_id in self.seqs:
             raise ValueError(f"request_id {request_id!r} is already in use")
-        seq = Sequence(prompt_token_ids, params, prompt=prompt, request_id=request_id)
+        method = self.config.method if method is None else method
+        budget = self.config.budget if budget is None else budget
+        if method not in METHODS:
+            raise ValueError(f"method must be one of {METHODS}, got {method!r}")
+        if method not in self._methods():
+            raise ValueError(f"method {method!r} needs a drafter; this engine runs without one")
+        if isinstance(budget, bool) or not isinstance(budget, int) or not 0 <= budget <= self.config.budget:
+            raise ValueError(f"budget must be an integer in [0, {self.config.budget}] (the engine's budget), "
+                             f"got {budget!r}")
+        seq = Sequence(prompt_token_ids, params, prompt=prompt, request_id=request_id,
+                       method=method, budget=budget)
         self.seqs[seq.request_id] = seq
         self.scheduler.add(seq)
         return seq
@@ -128,14 +144,20 @@ class LLMEngine:
     # ---- stepping ----------------------------------------------------------------------------
     def step(self) -> list[Sequence]:
         """Run one prefill or decode step; returns the sequences that made progress."""
-        kind, seqs, chunks = self.scheduler.schedule(self.runner.lookahead)
+        kind, seqs, chunks = self.scheduler.schedule(lambda s: self.runner.lookahead(s.method, s.budget))
         if kind == "prefill":
             self.runner.prefill(seqs, chunks)
             return []
         if kind == "idle":
             return []
-        committed = self.runner.decode(seqs)
-        for seq, tokens in zip(seqs, committed):
+        groups: dict[tuple[str, int], list[Sequence]] = {}
+        for seq in seqs:  # one verify pass per speculative setting
+            groups.setdefault((seq.method, seq.budget), []).append(seq)
+        committed = {}
+        for (method, budget), group in groups.items():
+            committed.update(zip((s.seq_id for s in group), self.runner.decode(group, method, budget)))
+        for seq in seqs:
+            tokens = committed[seq.seq_id]
             self._append(seq, tokens)
             if seq.is_finished:
                 self.scheduler.finish(seq)

@@ -64,17 +64,17 @@ class StageTimer:
 
 
 class ModelRunner:
-    def __init__(self, target: DecoderLM, drafter, method: str, budget: int, blocks: BlockManager,
-                 device: torch.device, dtype: torch.dtype):
-        self.target, self.drafter, self.method, self.budget = target, drafter, method, budget
+    def __init__(self, target: DecoderLM, drafter, blocks: BlockManager, device: torch.device,
+                 dtype: torch.dtype):
+        self.target, self.drafter = target, drafter
         self.blocks, self.device, self.dtype = blocks, device, dtype
         self.timer = StageTimer(device)
         num_slots = blocks.num_blocks * blocks.block_size
         self.target_kv = self._alloc_kv(target.kv_shape(), num_slots)
         self.drafter_kv = []
-        if isinstance(drafter, DFlashDrafter) and method != "ar":
+        if isinstance(drafter, DFlashDrafter):
             self.drafter_kv = self._alloc_kv(drafter.kv_shape(), num_slots)
-        self.taps = tuple(getattr(drafter, "taps", ())) if method != "ar" else ()
+        self.taps = tuple(getattr(drafter, "taps", ()))
 
     def _alloc_kv(self, shape, num_slots):
         layers, heads, dim = shape
@@ -82,17 +82,16 @@ class ModelRunner:
                  torch.zeros(num_slots, heads, dim, device=self.device, dtype=self.dtype))
                 for _ in range(layers)]
 
-    @property
-    def lookahead(self) -> int:
+    def lookahead(self, method: str, budget: int) -> int:
         """Cache slots a decode step writes past the committed prefix (root + tree nodes)."""
-        if self.method == "ar":
+        if method == "ar":
             return 1
-        if self.method == "dflash":
+        if method == "dflash":
             return self.drafter.block_size
-        return self.budget + 1
+        return budget + 1
 
-    def _slots(self, seq: Sequence, start: int, end: int) -> torch.Tensor:
-        return torch.tensor(self.blocks.slots(seq, start, end), dtype=torch.long, device=self.device)
+    def _slots(self, seq: Sequence, start: int, end: int) -> list[int]:
+        return self.blocks.slots(seq, start, end)
 
     def _tensor(self, values, dtype=torch.long) -> torch.Tensor:
         return torch.tensor(values, dtype=dtype, device=self.device)
@@ -101,16 +100,14 @@ class ModelRunner:
     @torch.inference_mode()
     def prefill(self, seqs: list[Sequence], chunks: list[int]) -> None:
         """Run the target over uncached prompt tokens (never the last one: it is the first root)."""
-        ids, pos, starts, slot_lists = [], [], [0], []
+        ids, pos, new_slots = [], [], []
         for seq, n in zip(seqs, chunks):
             a, b = seq.num_cached, seq.num_cached + n
             ids += seq.token_ids[a:b]
             pos += range(a, b)
-            starts.append(starts[-1] + n)
-            slot_lists.append(self._slots(seq, a, b))
-        ctx = AttentionContext(query_starts=starts, cached_lens=[s.num_cached for s in seqs],
-                               cached_slots=[self._slots(s, 0, s.num_cached) for s in seqs],
-                               slot_mapping=torch.cat(slot_lists))
+            new_slots.append(self._slots(seq, a, b))
+        ctx = AttentionContext.build([self._slots(s, 0, s.num_cached) for s in seqs], new_slots, chunks,
+                                     self.device)
         positions = self._tensor(pos)
         with self.timer("prefill"):
             _, taps = self.target(self._tensor(ids), positions, self.target_kv, ctx, self.taps)
@@ -121,14 +118,14 @@ class ModelRunner:
 
     # ---- one decode round --------------------------------------------------------------------
     @torch.inference_mode()
-    def decode(self, seqs: list[Sequence]) -> list[list[int]]:
+    def decode(self, seqs: list[Sequence], method: str, budget: int) -> list[list[int]]:
         """One verify round for every sequence; returns the tokens each one commits."""
         roots = self._tensor([s.token_ids[-1] for s in seqs])
         starts = [len(s) - 1 for s in seqs]
         with self.timer("draft"):
-            logprobs = self.draft(seqs, roots, starts)
+            logprobs = self.draft(seqs, roots, starts, method)
         with self.timer("build"):
-            tree = self.build(roots, logprobs)
+            tree = self.build(roots, logprobs, method, budget)
         with self.timer("verify"):
             logits, taps, slots = self.verify(seqs, starts, tree)
         with self.timer("accept"):
@@ -136,47 +133,44 @@ class ModelRunner:
         with self.timer("commit"):
             return self.commit(seqs, starts, tree, accepted, taps, slots)
 
-    def draft(self, seqs, roots, starts) -> torch.Tensor | None:
+    def draft(self, seqs, roots, starts, method) -> torch.Tensor | None:
         """Per-depth log-probabilities [N, S-1, V] from the drafter (fp32, temperature 1)."""
-        if self.method == "ar":
+        if method == "ar":
             return None
         if not isinstance(self.drafter, DFlashDrafter):
             return self.drafter.draft_logprobs(seqs).to(self.device)
         S, N = self.drafter.block_size, len(seqs)
         embeds = self.drafter.block_embeddings(roots, self.target.model.embed_tokens)
         positions = (self._tensor(starts)[:, None] + torch.arange(S, device=self.device)).reshape(-1)
-        ctx = AttentionContext(query_starts=list(range(0, N * S + 1, S)), cached_lens=starts,
-                               cached_slots=[self._slots(s, 0, st) for s, st in zip(seqs, starts)],
-                               slot_mapping=None)
+        ctx = AttentionContext.build([self._slots(s, 0, st) for s, st in zip(seqs, starts)], None, [S] * N,
+                                     self.device, store=False)
         hidden = self.drafter(embeds, positions, self.drafter_kv, ctx).view(N, S, -1)[:, 1:]
         return torch.log_softmax(self.target.logits(hidden.to(self.dtype)), -1)
 
-    def build(self, roots, logprobs) -> Tree:
+    def build(self, roots, logprobs, method, budget) -> Tree:
         N = roots.shape[0]
-        if self.method == "ar":
+        if method == "ar":
             empty = torch.zeros(N, 0, dtype=torch.long, device=self.device)
             tokens, parents, depths, max_depth = empty, empty, empty, 0
-        elif self.method == "dflash":
+        elif method == "dflash":
             tokens, parents, depths = chain_tree(logprobs)
             max_depth = logprobs.shape[1]
         else:
-            tokens, parents, depths = build_tree_batched(logprobs, self.budget)
+            tokens, parents, depths = build_tree_batched(logprobs, budget)
             max_depth = logprobs.shape[1]
         tokens, parents, depths = with_root(roots, tokens, parents, depths)
-        return Tree(tokens, parents, depths, max_depth)
+        return Tree(tokens, parents, depths, min(max_depth, tokens.shape[1] - 1))
 
     def verify(self, seqs, starts, tree: Tree):
         """One target pass over root + all nodes with the ancestor mask and depth positions."""
         N, T = tree.tokens.shape
         positions = (self._tensor(starts)[:, None] + tree.depths).reshape(-1)
         slots = [self._slots(s, st, st + T) for s, st in zip(seqs, starts)]
-        ctx = AttentionContext(query_starts=list(range(0, N * T + 1, T)), cached_lens=starts,
-                               cached_slots=[self._slots(s, 0, st) for s, st in zip(seqs, starts)],
-                               slot_mapping=torch.cat(slots),
-                               tree_mask=ancestor_mask(tree.parents, tree.max_depth) if T > 1 else None)
+        ctx = AttentionContext.build([self._slots(s, 0, st) for s, st in zip(seqs, starts)], slots, [T] * N,
+                                     self.device, tree_mask=ancestor_mask(tree.parents, tree.max_depth))
         hidden, taps = self.target(tree.tokens.reshape(-1), positions, self.target_kv, ctx, self.taps)
         logits = self.target.logits(hidden).view(N, T, -1)
-        return logits, (taps.view(N, T, -1) if taps is not None else None), torch.stack(slots)
+        return logits, (taps.view(N, T, -1) if taps is not None else None), self._tensor(slots)
 
     def accept(self, seqs, tree: Tree, logits) -> Accepted:
         p = [s.params for s in seqs]

@@ -22,14 +22,15 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def schedule(self, lookahead: int) -> tuple[str, list[Sequence], list[int]]:
-        """Returns ("prefill", seqs, chunk_lens) or ("decode", seqs, []) or ("idle", [], [])."""
+    def schedule(self, lookahead) -> tuple[str, list[Sequence], list[int]]:
+        """lookahead(seq) = slots one verify step of seq writes past its prefix.
+        Returns ("prefill", seqs, chunk_lens) or ("decode", seqs, []) or ("idle", [], [])."""
         # Admit waiting requests while their prompt (+ one verify step) fits in free blocks.
         while self.waiting and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
-            if not self.blocks.can_reserve(seq, len(seq) - 1 + lookahead):
+            if not self.blocks.can_reserve(seq, len(seq) - 1 + lookahead(seq)):
                 break
-            self.blocks.reserve(seq, len(seq) - 1 + lookahead)
+            self.blocks.reserve(seq, len(seq) - 1 + lookahead(seq))
             seq.status = Status.RUNNING
             self.running.append(self.waiting.popleft())
 
@@ -52,13 +53,13 @@ class Scheduler:
         for seq in list(self.running):
             if seq not in self.running:
                 continue
-            while not self.blocks.can_reserve(seq, len(seq) - 1 + lookahead):
+            while not self.blocks.can_reserve(seq, len(seq) - 1 + lookahead(seq)):
                 victim = self.running[-1]
                 self.preempt(victim)
                 if victim is seq:
                     break
             if seq in self.running:
-                self.blocks.reserve(seq, len(seq) - 1 + lookahead)
+                self.blocks.reserve(seq, len(seq) - 1 + lookahead(seq))
                 ready.append(seq)
         if ready:
             return "decode", ready, []

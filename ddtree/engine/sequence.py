@@ -34,13 +34,14 @@ class Sequence:
     with ``num_cached == len(token_ids) - 1`` (the last committed token is the next root)."""
 
     def __init__(self, prompt_token_ids: list[int], params: SamplingParams, prompt: str | None = None,
-                 request_id: str | None = None):
+                 request_id: str | None = None, method: str = "ar", budget: int = 0):
         self.seq_id = next(_ids)
         self.request_id = request_id if request_id is not None else str(self.seq_id)
         self.prompt = prompt
         self.token_ids = list(prompt_token_ids)
         self.num_prompt_tokens = len(prompt_token_ids)
         self.params = params
+        self.method, self.budget = method, budget  # speculative settings of this request
         self.status = Status.WAITING
         self.num_cached = 0
         self.block_table: list[int] = []

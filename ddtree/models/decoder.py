@@ -97,7 +97,7 @@ class Attention(nn.Module):
         k_cache, v_cache = kv_cache
         if ctx.slot_mapping is not None:
             store_kv(k_cache, v_cache, k, v, ctx.slot_mapping)
-        o = paged_attention(q, k, v, k_cache, v_cache, ctx, self.scale)
+        o = paged_attention(q, k_cache, v_cache, ctx, self.scale)
         return self.o_proj(o.reshape(T, -1))
 
 

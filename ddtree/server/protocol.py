@@ -1,0 +1,169 @@
+"""OpenAI-compatible request bodies (pydantic, strict types) and OpenAI-style errors.
+
+Unknown fields are accepted and ignored (as vLLM does); a few OpenAI features the engine does not
+have are rejected with a 400 naming the field when a client asks for them (see ``unsupported``).
+Extensions beyond the OpenAI API: ``top_k``, ``stop_token_ids``, ``ignore_eos`` and
+``speculative: {"method", "budget"}``.
+"""
+from __future__ import annotations
+
+import re
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1  # what torch.Generator.manual_seed accepts
+MAX_PROMPTS = 256  # prompts per /v1/completions request
+
+
+class _Strict(BaseModel):
+    # strict: "0.5" is not a number and 1.0 is not an integer (as the OpenAI API answers).
+    model_config = ConfigDict(strict=True, extra="allow")
+
+
+class StreamOptions(_Strict):
+    include_usage: bool | None = False
+
+
+class Speculative(_Strict):
+    """Extension: per-request speculative decoding settings (default: the server's)."""
+    model_config = ConfigDict(strict=True, extra="forbid")
+    method: Literal["ar", "dflash", "ddtree"] | None = None
+    budget: int | None = Field(default=None, ge=0, description="DDTree node budget (tree nodes verified per step)")
+
+
+class _SamplingRequest(_Strict):
+    model: str | None = Field(default=None, description="the served model name (GET /v1/models); optional")
+    max_tokens: int | None = Field(default=None, ge=1)
+    temperature: float | None = Field(default=None, ge=0, description="0 = greedy; default 1")
+    top_p: float | None = Field(default=None, gt=0, le=1)
+    top_k: int | None = Field(default=None, ge=-1, description="extension; 0 or -1 = off")
+    seed: int | None = Field(default=None, ge=SEED_MIN, le=SEED_MAX)
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = Field(default=None, description="extension: stop at these token ids")
+    ignore_eos: bool | None = Field(default=False, description="extension: keep generating past EOS")
+    n: int | None = Field(default=1, ge=1, description="only 1 is supported")
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    speculative: Speculative | None = Field(default=None, description="extension: {method, budget} for this request")
+    presence_penalty: float | None = Field(default=None, description="only 0 is supported")
+    frequency_penalty: float | None = Field(default=None, description="only 0 is supported")
+    logit_bias: dict[str, float] | None = Field(default=None, description="not supported")
+    user: str | None = None
+
+
+class CompletionRequest(_SamplingRequest):
+    prompt: str | list[int] | list[str] | list[list[int]] = Field(
+        description="a string, a list of token ids, or a list of either (one choice per prompt)")
+    logprobs: int | None = Field(default=None, description="not supported")
+    echo: bool | None = Field(default=False, description="not supported")
+    best_of: int | None = Field(default=None, ge=1, description="only 1 is supported")
+    suffix: str | None = Field(default=None, description="not supported")
+
+
+class TextPart(_Strict):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Strict):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+
+
+class ChatCompletionRequest(_SamplingRequest):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+    logprobs: bool | None = Field(default=False, description="not supported")
+    top_logprobs: int | None = Field(default=None, description="not supported")
+    tools: list[dict[str, Any]] | None = Field(default=None, description="not supported")
+    response_format: dict[str, Any] | None = Field(default=None, description="only {'type': 'text'}")
+
+
+class ErrorInfo(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | int | None = None
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorInfo
+
+
+class ApiError(Exception):
+    """An error answered to the client as ``{"error": {...}}`` with an HTTP status."""
+
+    def __init__(self, status: int, message: str, *, type: str = "invalid_request_error",
+                 param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+def unsupported(req: _SamplingRequest) -> ApiError | None:
+    """A 400 for the OpenAI features this server does not have, when the client asks for one."""
+    def err(param, message):
+        return ApiError(400, message, param=param, code="unsupported_parameter")
+
+    if req.n is not None and req.n != 1:
+        return err("n", f"n={req.n} is not supported: only n=1 (one choice per prompt)")
+    if req.presence_penalty:
+        return err("presence_penalty", "presence_penalty is not supported (only 0)")
+    if req.frequency_penalty:
+        return err("frequency_penalty", "frequency_penalty is not supported (only 0)")
+    if req.logit_bias:
+        return err("logit_bias", "logit_bias is not supported")
+    if req.stream_options is not None and not req.stream:
+        return err("stream_options", "stream_options is only allowed when stream is true")
+    if isinstance(req, CompletionRequest):
+        if req.logprobs is not None:
+            return err("logprobs", "logprobs is not supported")
+        if req.echo:
+            return err("echo", "echo is not supported")
+        if req.best_of is not None and req.best_of != 1:
+            return err("best_of", "best_of > 1 is not supported")
+        if req.suffix:
+            return err("suffix", "suffix is not supported")
+    if isinstance(req, ChatCompletionRequest):
+        if req.logprobs or req.top_logprobs:
+            return err("logprobs", "logprobs is not supported")
+        if req.tools:
+            return err("tools", "tools (function calling) are not supported")
+        if req.response_format is not None and req.response_format.get("type", "text") != "text":
+            return err("response_format", "only response_format {'type': 'text'} is supported")
+    return None
+
+
+_UNION_TAG = re.compile(r"str|int|float|bool|dict|list|none|[a-z_-]*\[.*\]|[A-Z]\w*")
+
+
+def validation_error(errors: list[dict]) -> ApiError:
+    """An ApiError (400) for FastAPI's RequestValidationError list: names the field and problem."""
+    if not errors:
+        return ApiError(400, "invalid request body")
+    first = errors[0]
+    if first.get("type") == "json_invalid":
+        detail = (first.get("ctx") or {}).get("error", "")
+        return ApiError(400, f"malformed JSON in the request body{': ' + detail if detail else ''}",
+                        code="invalid_json")
+    loc = [str(x) for x in first.get("loc", ()) if x != "body"]
+    if not loc:
+        if first.get("type") == "missing":
+            return ApiError(400, "the request needs a JSON object body", code="invalid_body")
+        return ApiError(400, f"the request body must be a JSON object: {first.get('msg')}", code="invalid_body")
+    param = loc[0]
+    # pydantic reports one error per member of a union: keep the field and the distinct messages.
+    msgs = []
+    for e in errors:
+        eloc = [str(x) for x in e.get("loc", ()) if x != "body"]
+        if eloc[:1] == [param] and e.get("msg") not in msgs:
+            msgs.append(e.get("msg"))
+    if first.get("type") == "missing" and len(loc) == 1:
+        return ApiError(400, f"'{param}' is a required field", param=param, code="missing_required_parameter")
+    where = ".".join(x for x in loc if not _UNION_TAG.fullmatch(x))
+    return ApiError(400, f"invalid '{where}': " + "; ".join(msgs[:4]), param=param, code="invalid_type"
+                    if any(e.get("type", "").endswith("_type") for e in errors) else "invalid_value")
