@@ -62,8 +62,9 @@ def prompts(tokenizer):
 def make_llm(smol, tokenizer, method="ddtree", budget=16, drafter="random", **kw):
     kw.setdefault("max_model_len", 512)
     kw.setdefault("kv_cache_gb", 0.25)
+    kw.setdefault("dtype", torch.float32)
     return LLM(target=smol, tokenizer=tokenizer, method=method, budget=budget,
-               drafter=drafter if method != "ar" else None, device="cpu", dtype=torch.float32, **kw)
+               drafter=drafter if method != "ar" else None, device="cpu", **kw)
 
 
 GREEDY_64 = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)

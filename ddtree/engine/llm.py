@@ -132,7 +132,9 @@ class LLM:
 
     def chat(self, conversations, sampling_params=None, use_tqdm: bool = False) -> list[RequestOutput]:
         """A conversation is a list of {"role", "content"} dicts; a list of them is a batch."""
-        single = isinstance(conversations, list) and conversations and isinstance(conversations[0], dict)
+        if not isinstance(conversations, list) or not conversations:
+            raise ValueError("messages must be a non-empty list of {role, content} messages")
+        single = isinstance(conversations[0], dict)
         batch = [conversations] if single else conversations
         prompts = [self.apply_chat_template(c) for c in batch]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)

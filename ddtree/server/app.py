@@ -83,10 +83,8 @@ class _Stream:
             text = text[:max(0, end)]
         if len(text) <= len(self.sent):
             return ""
-        if not text.startswith(self.sent):  # cannot happen with the holdback; never resend
-            log.warning("streamed text diverged from the final text")
-            n = next((i for i, (a, b) in enumerate(zip(text, self.sent)) if a != b), len(self.sent))
-            text = text[:n] + text[len(self.sent):] if n < len(self.sent) else text
+        if not text.startswith(self.sent):  # not expected with the holdback; sent text stays sent
+            log.warning("streamed text diverged from the detokenized text")
         out = text[len(self.sent):]
         self.sent += out
         return out
@@ -248,9 +246,17 @@ class OpenAIServer:
         prompt_tokens = sum(len(t) for _, t in prompts)
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            gen = self._stream(kind, rid, ids, sink, req.stop, prompt_tokens, include_usage, endpoint)
-            return StreamingResponse(gen, media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+            open_ids = set(range(len(ids)))
+
+            def abort_open():
+                for i in list(open_ids):
+                    self.engine.abort(ids[i])
+                open_ids.clear()
+
+            gen = self._stream(kind, rid, ids, open_ids, abort_open, sink, req.stop, prompt_tokens,
+                               include_usage, endpoint)
+            return _AbortingStreamingResponse(gen, abort_open, media_type="text/event-stream",
+                                              headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         return await self._collect(kind, rid, ids, sink, prompt_tokens, raw, endpoint)
 
     async def _collect(self, kind, rid, ids, sink: asyncio.Queue, prompt_tokens, raw: Request, endpoint):
@@ -298,13 +304,13 @@ class OpenAIServer:
                     "choices": choices, "usage": usage, "system_fingerprint": None}
         return JSONResponse(body)
 
-    async def _stream(self, kind, rid, ids, sink: asyncio.Queue, stops, prompt_tokens, include_usage, endpoint):
+    async def _stream(self, kind, rid, ids, open_ids: set, abort_open, sink: asyncio.Queue, stops, prompt_tokens,
+                      include_usage, endpoint):
         """SSE chunks as the OpenAI API sends them; aborts what is unfinished if the client leaves."""
         created = int(time.time())
         obj = "chat.completion.chunk" if kind == "chat" else "text_completion"
         stops = [stops] if isinstance(stops, str) else (stops or [])
         streams = [_Stream(stops) for _ in ids]
-        open_ids = set(range(len(ids)))
         completion_tokens = 0
 
         def chunk(choices, usage=None):
@@ -329,9 +335,7 @@ class OpenAIServer:
                 if ev.index not in open_ids:
                     continue
                 if ev.error is not None:
-                    for i in open_ids:
-                        self.engine.abort(ids[i])
-                    open_ids.clear()
+                    abort_open()
                     self.metrics.error(endpoint, "server_error")
                     yield _sse({"error": {"message": ev.error, "type": "server_error", "param": None,
                                           "code": "engine_error"}})
@@ -350,8 +354,22 @@ class OpenAIServer:
                                  "total_tokens": prompt_tokens + completion_tokens})
             yield "data: [DONE]\n\n"
         finally:
-            for i in open_ids:  # client disconnected (or the server is cancelling us)
-                self.engine.abort(ids[i])
+            abort_open()  # client disconnected (or the server is cancelling us)
+
+
+class _AbortingStreamingResponse(StreamingResponse):
+    """Calls ``on_close`` however the response ends, also when the client leaves before the body
+    generator ever started (then the generator's own ``finally`` never runs)."""
+
+    def __init__(self, content, on_close, **kw):
+        super().__init__(content, **kw)
+        self.on_close = on_close
+
+    async def __call__(self, scope, receive, send):
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.on_close()
 
 
 def _reason(reason: str | None) -> str:

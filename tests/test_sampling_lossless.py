@@ -1,0 +1,141 @@
+"""Sampling losslessness on a tiny random model (vocab 6): the distribution of 3-token
+continuations under DDTree (and the DFlash chain) matches AR sampling and the exact distribution,
+by chi-square tests at significance 0.001; a deliberately wrong acceptance rule fails them."""
+import itertools
+
+import numpy as np
+import pytest
+import torch
+from scipy.stats import chi2_contingency, chisquare
+
+from ddtree import LLM, SamplingParams
+from ddtree.context import AttentionContext
+from ddtree.engine import runner as runner_mod
+from ddtree.models.decoder import DecoderLM, ModelConfig
+from ddtree.models.dflash import random_drafter
+from ddtree.tree import accept_walk, filtered_probs, gather_rows, sample_from_logits
+
+ALPHA = 0.001
+N_SAMPLES = 4000
+PROMPT = [1, 2, 3]
+PARAMS = dict(temperature=0.8, top_k=5, top_p=0.95, max_tokens=3, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    cfg = ModelConfig(model_type="llama", vocab_size=6, hidden_size=32, intermediate_size=64,
+                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                      rms_norm_eps=1e-5, rope_theta=10000.0, max_position_embeddings=64,
+                      tie_word_embeddings=False, attention_bias=False, qk_norm=False)
+    torch.manual_seed(0)
+    model = DecoderLM(cfg)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" not in name:
+                p.normal_(0, 0.35)
+    return model.eval()
+
+
+def exact_distribution(model, params) -> dict[tuple, float]:
+    """P(continuation) by enumerating every 3-token continuation with full forwards."""
+    t = torch.tensor
+    probs = {}
+    for cont in itertools.product(range(model.config.vocab_size), repeat=3):
+        ids = PROMPT + list(cont)
+        n = len(ids)
+        kv = [(torch.zeros(n, 2, 8), torch.zeros(n, 2, 8)) for _ in range(2)]
+        ctx = AttentionContext.build([[]], [list(range(n))], [n], "cpu")
+        with torch.no_grad():
+            hidden, _ = model(t(ids), torch.arange(n), kv, ctx)
+            logits = model.logits(hidden)[None]
+        dist = filtered_probs(logits, t([params["temperature"]]), t([params["top_k"]]), t([params["top_p"]]))[0]
+        p = 1.0
+        for j, tok in enumerate(cont):
+            p *= float(dist[len(PROMPT) - 1 + j, tok])
+        probs[cont] = p
+    return probs
+
+
+def sample(model, method, seed=0):
+    torch.manual_seed(seed)
+    drafter = random_drafter(model.config, num_layers=1, block_size=4, num_taps=1, seed=seed)
+    llm = LLM(target=model, drafter=drafter if method != "ar" else None, method=method, budget=10,
+              device="cpu", max_model_len=16, max_num_seqs=N_SAMPLES, kv_cache_gb=0.05)
+    outs = llm.generate([PROMPT] * N_SAMPLES, SamplingParams(**PARAMS))
+    return [tuple(o.token_ids) for o in outs], llm
+
+
+def counts(samples, support):
+    index = {c: i for i, c in enumerate(support)}
+    out = np.zeros(len(support))
+    for s in samples:
+        out[index[s]] += 1
+    return out
+
+
+def goodness_of_fit(samples, exact) -> float:
+    support = [c for c, p in exact.items() if p > 0]
+    expected = np.array([exact[c] for c in support]) * len(samples)
+    observed = counts(samples, support)
+    big = expected >= 5  # pool rare cells so the chi-square approximation holds
+    obs = np.append(observed[big], observed[~big].sum())
+    exp = np.append(expected[big], expected[~big].sum())
+    return chisquare(obs, exp * obs.sum() / exp.sum()).pvalue
+
+
+def two_sample(a, b) -> float:
+    support = sorted(set(a) | set(b))
+    table = np.stack([counts(a, support), counts(b, support)])
+    keep = table.sum(0) >= 10
+    table = np.concatenate([table[:, keep], table[:, ~keep].sum(1, keepdims=True)], 1)
+    return chi2_contingency(table).pvalue
+
+
+@pytest.fixture(scope="module")
+def reference(tiny):
+    exact = exact_distribution(tiny, PARAMS)
+    assert abs(sum(exact.values()) - 1) < 1e-4
+    ar_samples, _ = sample(tiny, "ar", seed=1)
+    assert goodness_of_fit(ar_samples, exact) > ALPHA
+    return exact, ar_samples
+
+
+@pytest.mark.parametrize("method", ["ddtree", "dflash"])
+def test_speculative_sampling_matches_ar(tiny, reference, method):
+    exact, ar_samples = reference
+    samples, llm = sample(tiny, method, seed=2)
+    steps = [n for o in llm.engine.seqs.values() for n in o.metrics.accepted_lengths]
+    assert not steps  # finished requests leave the engine
+    assert goodness_of_fit(samples, exact) > ALPHA
+    assert two_sample(samples, ar_samples) > ALPHA
+
+
+def test_speculation_accepted_drafts(tiny):
+    """The test above is only meaningful if drafts are actually accepted."""
+    torch.manual_seed(3)
+    drafter = random_drafter(tiny.config, num_layers=1, block_size=4, num_taps=1, seed=3)
+    llm = LLM(target=tiny, drafter=drafter, method="ddtree", budget=10, device="cpu", max_model_len=16,
+              max_num_seqs=500, kv_cache_gb=0.05)
+    outs = llm.generate([PROMPT] * 500, SamplingParams(**PARAMS))
+    lens = [n for o in outs for n in o.metrics.accepted_lengths]
+    assert sum(lens) / len(lens) > 1.3
+    assert max(lens) == 3  # whole continuations accepted in one step
+
+
+def test_wrong_acceptance_rule_is_detected(tiny, reference, monkeypatch):
+    """Walk the tree with the target's argmax instead of its samples (a classic bug): the same
+    tests must reject it."""
+    exact, ar_samples = reference
+
+    def argmax_walk(self, seqs, tree, logits):
+        p = [s.params for s in seqs]
+        samples = sample_from_logits(logits, torch.tensor([x.temperature for x in p]),
+                                     torch.tensor([x.top_k for x in p]), torch.tensor([x.top_p for x in p]))
+        path, num, _ = accept_walk(tree.tokens, tree.parents, tree.depths, logits.argmax(-1), tree.max_depth)
+        bonus = gather_rows(samples, path)[torch.arange(len(seqs)), num - 1]
+        return runner_mod.Accepted(path, num, bonus)
+
+    monkeypatch.setattr(runner_mod.ModelRunner, "accept", argmax_walk)
+    samples, _ = sample(tiny, "ddtree", seed=2)
+    assert goodness_of_fit(samples, exact) < ALPHA
+    assert two_sample(samples, ar_samples) < ALPHA

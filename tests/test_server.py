@@ -1,0 +1,429 @@
+"""The OpenAI-compatible server, started for real on loopback once for this module (uvicorn in a
+thread), spoken to with the official ``openai`` client and raw httpx; plus one subprocess server
+for SIGTERM. SmolLM2 + random drafter, budget 8, small max_tokens (CPU)."""
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import httpx
+import openai
+import pytest
+import torch
+
+from conftest import make_llm
+from ddtree import SamplingParams
+from ddtree.server.app import ENGINE_ERROR_STATUS, build_app
+from ddtree.server.serving import bind_socket, make_server
+
+MODEL = "smol-test"
+MAX_LEN = 256
+PROMPTS = ["The capital of France is", "def fibonacci(n):"]
+CHAT = [{"role": "user", "content": "What is 17 times 23?"}]
+N_TOKENS = 12
+
+
+def _wait_idle(engine, timeout=10.0) -> bool:
+    """True once the engine has no request and every KV block is free."""
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if not engine.has_unfinished() and engine.blocks.num_free == engine.blocks.num_blocks:
+            return True
+        time.sleep(0.05)
+    return False
+
+
+@pytest.fixture(scope="module")
+def server(smol, tokenizer):
+    # Two OpenMP threads on a 2-core machine shared with other jobs can run 10x slower than one.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    llm = make_llm(smol, tokenizer, method="ddtree", budget=8, max_model_len=MAX_LEN, kv_cache_gb=0.1)
+    greedy = SamplingParams(temperature=0, max_tokens=N_TOKENS)
+    # References from the offline API on the same LLM, before the engine thread owns it.
+    ref = {p: o for p, o in zip(PROMPTS, llm.generate(PROMPTS, greedy))}
+    ref_chat = llm.chat(CHAT, greedy)[0]
+    app = build_app(llm, served_model_name=MODEL, shutdown_grace_s=2.0)
+    sock = bind_socket("127.0.0.1", 0)
+    srv = make_server(app, log_level="warning", grace_s=2.0)
+    thread = threading.Thread(target=srv.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    end = time.monotonic() + 30
+    while not srv.started and thread.is_alive() and time.monotonic() < end:
+        time.sleep(0.05)
+    assert srv.started, "server did not start"
+    url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="EMPTY", max_retries=0, timeout=60)
+    yield SimpleNamespace(url=url, app=app, llm=llm, engine=llm.engine, aengine=app.state.server.engine,
+                          ref=ref, ref_chat=ref_chat, client=client, tokenizer=tokenizer)
+    srv.should_exit = True
+    thread.join(20)
+    sock.close()
+    assert not thread.is_alive(), "server thread did not stop"
+    assert not app.state.server.engine.alive, "engine thread did not stop"
+    torch.set_num_threads(threads)
+
+
+def _metric(url: str, name: str, **labels) -> float:
+    text = httpx.get(f"{url}/metrics").text
+    total = 0.0
+    for line in text.splitlines():
+        if line.startswith(name + "{") or line.startswith(name + " "):
+            if all(f'{k}="{v}"' in line for k, v in labels.items()):
+                total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+# ---- happy paths ---------------------------------------------------------------------------------
+def test_models_health_metrics(server):
+    models = server.client.models.list()
+    assert [m.id for m in models.data] == [MODEL]
+    r = httpx.get(f"{server.url}/health")
+    assert r.status_code == 200 and r.json()["status"] == "ok"
+    text = httpx.get(f"{server.url}/metrics").text
+    for name in ("ddtree:num_requests_running", "ddtree:num_requests_waiting", "ddtree:kv_cache_usage_perc",
+                 "ddtree:time_to_first_token_seconds_bucket", "ddtree:inter_token_latency_seconds_bucket",
+                 "ddtree:spec_decode_num_drafts_total", "ddtree:spec_decode_num_draft_tokens_total",
+                 "ddtree:spec_decode_num_accepted_tokens_total", "ddtree:spec_decode_mean_acceptance_length",
+                 'ddtree:spec_decode_budget{method="ddtree"'):
+        assert name in text, name
+
+
+def test_completions_greedy_equals_generate(server):
+    c = server.client
+    for prompt in PROMPTS:
+        ref = server.ref[prompt]
+        out = c.completions.create(model=MODEL, prompt=prompt, max_tokens=N_TOKENS, temperature=0)
+        assert out.choices[0].text == ref.text
+        assert out.choices[0].finish_reason == ref.finish_reason
+        n_prompt = len(server.tokenizer.encode(prompt, add_special_tokens=False))
+        assert (out.usage.prompt_tokens, out.usage.completion_tokens, out.usage.total_tokens) == \
+            (n_prompt, len(ref.token_ids), n_prompt + len(ref.token_ids))
+        chunks = list(c.completions.create(model=MODEL, prompt=prompt, max_tokens=N_TOKENS, temperature=0,
+                                           stream=True, stream_options={"include_usage": True}))
+        assert "".join(ch.choices[0].text for ch in chunks if ch.choices) == ref.text
+        assert [ch.choices[0].finish_reason for ch in chunks if ch.choices][-1] == ref.finish_reason
+        assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == len(ref.token_ids)
+        assert all(ch.usage is None for ch in chunks[:-1])
+
+
+def test_chat_greedy_equals_chat(server):
+    c, ref = server.client, server.ref_chat
+    out = c.chat.completions.create(model=MODEL, messages=CHAT, max_completion_tokens=N_TOKENS, temperature=0)
+    assert out.object == "chat.completion"
+    assert out.choices[0].message.role == "assistant"
+    assert out.choices[0].message.content == ref.text
+    assert out.choices[0].finish_reason == ref.finish_reason
+    assert out.usage.prompt_tokens == len(ref.prompt_token_ids)
+    assert out.usage.completion_tokens == len(ref.token_ids)
+    chunks = list(c.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=N_TOKENS, temperature=0,
+                                            stream=True, stream_options={"include_usage": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices) == ref.text
+    assert [ch.choices[0].finish_reason for ch in chunks if ch.choices][-1] == ref.finish_reason
+    assert chunks[-1].choices == []
+    assert chunks[-1].usage.total_tokens == len(ref.prompt_token_ids) + len(ref.token_ids)
+    # Without include_usage: no usage chunk; the SSE stream ends with data: [DONE].
+    with httpx.stream("POST", f"{server.url}/v1/chat/completions", timeout=60,
+                      json={"messages": CHAT, "max_tokens": 3, "temperature": 0, "stream": True}) as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        data = [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
+    assert data[-1] == "[DONE]"
+    body = [json.loads(d) for d in data[:-1]]
+    assert all("usage" not in b and b["object"] == "chat.completion.chunk" for b in body)
+    assert body[-1]["choices"][0]["finish_reason"] == "length"
+
+
+def test_stop_string_and_token_ids(server):
+    prompt = PROMPTS[0]
+    ref = server.ref[prompt]
+    words = ref.text.split()
+    assert len(words) >= 3, ref.text
+    stop = words[2]
+    want = ref.text[:ref.text.find(stop)]
+    out = server.client.completions.create(model=MODEL, prompt=prompt, max_tokens=N_TOKENS, temperature=0,
+                                           stop=[stop])
+    assert (out.choices[0].text, out.choices[0].finish_reason) == (want, "stop")
+    streamed = list(server.client.completions.create(model=MODEL, prompt=prompt, max_tokens=N_TOKENS,
+                                                     temperature=0, stop=stop, stream=True))
+    assert "".join(ch.choices[0].text for ch in streamed) == want
+    assert streamed[-1].choices[0].finish_reason == "stop"
+    # Extension: stop_token_ids (the third generated token), and per-request speculative settings.
+    k = ref.token_ids.index(ref.token_ids[2]) + 1
+    out = server.client.completions.create(model=MODEL, prompt=prompt, max_tokens=N_TOKENS, temperature=0,
+                                           extra_body={"stop_token_ids": [ref.token_ids[2]],
+                                                       "speculative": {"method": "ddtree", "budget": 4}})
+    assert out.choices[0].finish_reason == "stop" and out.usage.completion_tokens == k
+    assert out.choices[0].text == server.tokenizer.decode(ref.token_ids[:k], skip_special_tokens=True)
+
+
+def test_token_id_prompts_and_batch(server):
+    ids = [server.tokenizer.encode(p, add_special_tokens=False) for p in PROMPTS]
+    out = server.client.completions.create(model=MODEL, prompt=ids, max_tokens=N_TOKENS, temperature=0)
+    assert [ch.index for ch in out.choices] == [0, 1]
+    assert [ch.text for ch in out.choices] == [server.ref[p].text for p in PROMPTS]
+    assert out.usage.completion_tokens == sum(len(server.ref[p].token_ids) for p in PROMPTS)
+    out = server.client.completions.create(model=MODEL, prompt=list(PROMPTS), max_tokens=N_TOKENS, temperature=0,
+                                           stream=True)
+    texts = ["", ""]
+    for ch in out:
+        for c in ch.choices:
+            texts[c.index] += c.text
+    assert texts == [server.ref[p].text for p in PROMPTS]
+
+
+def test_spec_metrics_count(server):
+    before = _metric(server.url, "ddtree:spec_decode_num_drafts_total")
+    tokens_before = _metric(server.url, "ddtree:spec_decode_num_draft_tokens_total")
+    server.client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=4, temperature=0,
+                                     extra_body={"ignore_eos": True})
+    drafts = _metric(server.url, "ddtree:spec_decode_num_drafts_total") - before
+    assert 1 <= drafts <= 4  # one draft per verify step; at least one token per step
+    assert _metric(server.url, "ddtree:spec_decode_num_draft_tokens_total") - tokens_before == 8 * drafts
+    assert _metric(server.url, "ddtree:spec_decode_mean_acceptance_length") >= 1.0
+    assert _metric(server.url, "ddtree:http_requests_total", endpoint="/v1/completions", status="200") >= 1
+
+
+# ---- bad input -----------------------------------------------------------------------------------
+LONG = "hello " * 400  # > MAX_LEN tokens
+BAD = [
+    ("completions", b'{"prompt": "hi", ', None, "invalid_json"),
+    ("completions", b"[1, 2]", None, None),
+    ("completions", {"max_tokens": 2}, "prompt", None),
+    ("chat", {"max_tokens": 2}, "messages", None),
+    ("chat", {"messages": "hello"}, "messages", None),
+    ("chat", {"messages": []}, "messages", None),
+    ("chat", {"messages": [{"role": "wizard", "content": "hi"}]}, "messages", None),
+    ("chat", {"messages": [{"role": "user", "content": None}]}, "messages", None),
+    ("completions", {"prompt": "hi", "temperature": "hot"}, "temperature", None),
+    ("completions", {"prompt": "hi", "max_tokens": "5"}, "max_tokens", None),
+    ("completions", {"prompt": "hi", "max_tokens": 2.0}, "max_tokens", None),
+    ("completions", {"prompt": "hi", "stream": "yes"}, "stream", None),
+    ("completions", {"prompt": ""}, "prompt", None),
+    ("completions", {"prompt": []}, "prompt", None),
+    ("completions", {"prompt": [10**9]}, "prompt", None),
+    ("completions", {"prompt": LONG, "max_tokens": 1}, "prompt", "context_length_exceeded"),
+    ("chat", {"messages": [{"role": "user", "content": LONG}], "stream": True}, "messages",
+     "context_length_exceeded"),
+    ("completions", {"prompt": "hi", "max_tokens": MAX_LEN}, "max_tokens", "context_length_exceeded"),
+    ("chat", {"messages": CHAT, "max_completion_tokens": MAX_LEN, "stream": True}, "max_completion_tokens",
+     "context_length_exceeded"),
+    ("completions", {"prompt": "hi", "temperature": -0.5}, "temperature", None),
+    ("chat", {"messages": CHAT, "top_p": 0}, "top_p", None),
+    ("chat", {"messages": CHAT, "top_p": 1.5}, "top_p", None),
+    ("completions", {"prompt": "hi", "n": 2}, "n", None),
+    ("chat", {"messages": CHAT, "n": 3, "stream": True}, "n", None),
+    ("completions", {"prompt": "hi", "stop": [""]}, "stop", None),
+    ("completions", {"prompt": "hi", "stream_options": {"include_usage": True}}, "stream_options", None),
+    ("completions", {"prompt": "hi", "speculative": {"budget": 99}}, "speculative.budget", None),
+    ("completions", {"prompt": "hi", "speculative": {"method": "beam"}}, "speculative", None),
+    ("chat", {"messages": CHAT, "logprobs": True}, "logprobs", None),
+]
+
+
+@pytest.mark.parametrize("endpoint,body,param,code", BAD, ids=[f"{i}-{b[2]}" for i, b in enumerate(BAD)])
+def test_bad_input_is_400(server, endpoint, body, param, code):
+    path = "/v1/completions" if endpoint == "completions" else "/v1/chat/completions"
+    if isinstance(body, bytes):
+        r = httpx.post(server.url + path, content=body, headers={"content-type": "application/json"})
+    else:
+        r = httpx.post(server.url + path, json=body)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"}
+    assert err["type"] == "invalid_request_error" and err["message"]
+    assert err["param"] == param, err
+    if code is not None:
+        assert err["code"] == code, err
+
+
+def test_unknown_model_and_route(server):
+    r = httpx.post(f"{server.url}/v1/completions", json={"model": "gpt-17", "prompt": "hi"})
+    assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
+    with pytest.raises(openai.NotFoundError):
+        server.client.chat.completions.create(model="gpt-17", messages=CHAT, max_tokens=1)
+    r = httpx.get(f"{server.url}/v1/nothing")
+    assert r.status_code == 404 and "message" in r.json()["error"]
+
+
+def test_openapi_fuzz_no_5xx(server):
+    """Schemathesis cases (valid and invalid) for both generation endpoints: never a 5xx."""
+    import schemathesis
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+    from schemathesis import GenerationMode
+
+    schema = schemathesis.openapi.from_dict(server.app.openapi())
+    ops = [schema["/v1/completions"]["POST"], schema["/v1/chat/completions"]["POST"]]
+    strategy = st.one_of([op.as_strategy(generation_mode=mode).map(lambda c, m=mode: (m, c)) for op in ops
+                          for mode in (GenerationMode.POSITIVE, GenerationMode.NEGATIVE)])
+    seen = []
+
+    @settings(max_examples=50, deadline=None, derandomize=True, database=None,
+              suppress_health_check=list(HealthCheck))
+    @given(mode_case=strategy)
+    def check(mode_case):
+        mode, case = mode_case
+        body = case.body
+        if isinstance(body, dict):
+            # Keep generation short on a CPU.
+            for key in ("max_tokens", "max_completion_tokens"):
+                if type(body.get(key)) is int and body[key] > 2:
+                    body[key] = 2
+            body.setdefault("max_tokens", 2)
+            if mode == GenerationMode.POSITIVE:
+                # Valid per schema but not per model: only one model name, token ids < vocab size.
+                if "model" in body:
+                    body["model"] = MODEL
+                p = body.get("prompt")
+                if isinstance(p, list) and p and isinstance(p[0], int):
+                    body["prompt"] = [t % 1000 for t in p]
+                elif isinstance(p, list) and p and isinstance(p[0], list):
+                    body["prompt"] = [[t % 1000 for t in x] for x in p]
+        response = case.call(base_url=server.url, timeout=60)
+        seen.append(response.status_code)
+        assert response.status_code < 500, (case.body, response.text)
+        if response.status_code >= 400:
+            assert set(response.json()["error"]) == {"message", "type", "param", "code"}
+
+    check()
+    assert len(seen) >= 20 and any(s == 200 for s in seen) and any(s == 400 for s in seen), seen
+    assert _wait_idle(server.engine)
+
+
+# ---- failures and disconnects ----------------------------------------------------------------------
+def test_client_disconnect_frees_kv(server):
+    eng = server.engine
+    assert _wait_idle(eng)
+    aborted = _metric(server.url, "ddtree:request_success_total", finished_reason="abort")
+    body = {"prompt": PROMPTS[0], "max_tokens": 200, "ignore_eos": True, "stream": True, "temperature": 0}
+    with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=60) as r:
+        chunks = 0
+        for line in r.iter_lines():
+            chunks += line.startswith("data: {")
+            if chunks >= 2:
+                break
+        assert eng.blocks.num_free < eng.blocks.num_blocks  # the request holds KV blocks
+    # 200 tokens take >10 s here: only an abort frees the pool this soon.
+    assert _wait_idle(eng, timeout=5), (eng.blocks.num_free, eng.blocks.num_blocks)
+    assert _metric(server.url, "ddtree:request_success_total", finished_reason="abort") == aborted + 1
+    # Non-streaming too: the client times out, the server aborts.
+    with pytest.raises(httpx.TimeoutException):
+        httpx.post(f"{server.url}/v1/completions", json={**body, "stream": False}, timeout=1.0)
+    assert _wait_idle(eng, timeout=5)
+
+
+def test_injected_request_failure_is_isolated(server, monkeypatch):
+    aengine = server.aengine
+    original = aengine._make_event
+
+    def failing(live):
+        if live.seq.prompt and "FAIL-ME" in live.seq.prompt:
+            raise RuntimeError("injected failure")
+        return original(live)
+
+    monkeypatch.setattr(aengine, "_make_event", failing)
+
+    async def run():
+        client = openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key="EMPTY", max_retries=0, timeout=60)
+        good = [client.completions.create(model=MODEL, prompt=p, max_tokens=N_TOKENS, temperature=0)
+                for p in PROMPTS]
+        bad = client.completions.create(model=MODEL, prompt="FAIL-ME now", max_tokens=N_TOKENS)
+
+        async def bad_stream():
+            async with httpx.AsyncClient(timeout=60) as h:
+                async with h.stream("POST", f"{server.url}/v1/completions",
+                                    json={"prompt": "FAIL-ME stream", "max_tokens": N_TOKENS, "stream": True}) as r:
+                    return [line async for line in r.aiter_lines() if line.startswith("data: ")]
+
+        return await asyncio.gather(*good, bad, bad_stream(), return_exceptions=True)
+
+    *good, bad, stream_lines = asyncio.run(run())
+    for prompt, out in zip(PROMPTS, good):
+        assert not isinstance(out, BaseException), out
+        assert out.choices[0].text == server.ref[prompt].text
+    assert isinstance(bad, openai.APIStatusError) and bad.status_code == ENGINE_ERROR_STATUS
+    assert "injected failure" in bad.message
+    assert stream_lines[-1] == "data: [DONE]"
+    assert "injected failure" in json.loads(stream_lines[-2][6:])["error"]["message"]
+    assert _wait_idle(server.engine)
+
+
+def test_engine_step_failure_fails_that_batch_only(server, monkeypatch):
+    eng = server.engine
+    original = eng.step
+    armed = threading.Event()
+
+    def flaky_step():
+        if armed.is_set():
+            armed.clear()
+            raise RuntimeError("injected step failure")
+        return original()
+
+    monkeypatch.setattr(eng, "step", flaky_step)
+    body = {"prompt": PROMPTS[0], "max_tokens": 100, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=60) as r:
+        lines = []
+        for line in r.iter_lines():
+            if line.startswith("data: "):
+                lines.append(line)
+                if len(lines) == 2:
+                    armed.set()
+    assert lines[-1] == "data: [DONE]"
+    assert "injected step failure" in json.loads(lines[-2][6:])["error"]["message"]
+    assert _wait_idle(eng)
+    out = server.client.completions.create(model=MODEL, prompt=PROMPTS[1], max_tokens=N_TOKENS, temperature=0)
+    assert out.choices[0].text == server.ref[PROMPTS[1]].text  # still serving
+
+
+# ---- SIGTERM -------------------------------------------------------------------------------------
+def test_sigterm_shuts_down_cleanly(tmp_path):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "DDTREE_CACHE_DIR": os.environ.get("DDTREE_CACHE_DIR",
+                                                            str(Path(__file__).resolve().parents[1] / ".cache"))}
+    log = open(tmp_path / "server.log", "w")
+    env["OMP_NUM_THREADS"] = "1"
+    proc = subprocess.Popen([sys.executable, "-m", "ddtree.server", "--port", str(port), "--device", "cpu",
+                             "--drafter", "random", "--budget", "4", "--max-model-len", "256", "--kv-cache-gb",
+                             "0.1", "--timeout-graceful-shutdown", "1", "--log-level", "warning"],
+                            stdout=log, stderr=subprocess.STDOUT, env=env)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        end = time.monotonic() + 90
+        while time.monotonic() < end:
+            assert proc.poll() is None, (tmp_path / "server.log").read_text()
+            try:
+                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.25)
+        lines = []
+        body = {"prompt": "Once upon a time", "max_tokens": 200, "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=30) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: "):
+                    lines.append(line)
+                    if len(lines) == 1:
+                        t0 = time.monotonic()
+                        proc.send_signal(signal.SIGTERM)
+        # The in-flight stream got its grace second, then an error event and [DONE].
+        assert lines[-1] == "data: [DONE]"
+        assert "shutting down" in json.loads(lines[-2][6:])["error"]["message"]
+        assert proc.wait(timeout=15) == 0, (tmp_path / "server.log").read_text()
+        assert time.monotonic() - t0 < 10
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        log.close()
