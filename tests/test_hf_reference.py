@@ -20,7 +20,7 @@ def test_prefill_logits_match_hf(smol, hf_model, prompts):
     ids = prompts[1]
     n = len(ids)
     kv = [(torch.zeros(n, 3, 64), torch.zeros(n, 3, 64)) for _ in range(30)]
-    ctx = AttentionContext.build([[]], [list(range(n))], [n], "cpu")
+    ctx = AttentionContext.contiguous([n])
     with torch.no_grad():
         hidden, _ = smol(torch.tensor(ids), torch.arange(n), kv, ctx)
         ours = smol.logits(hidden)

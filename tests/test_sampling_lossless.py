@@ -44,7 +44,7 @@ def exact_distribution(model, params) -> dict[tuple, float]:
         ids = PROMPT + list(cont)
         n = len(ids)
         kv = [(torch.zeros(n, 2, 8), torch.zeros(n, 2, 8)) for _ in range(2)]
-        ctx = AttentionContext.build([[]], [list(range(n))], [n], "cpu")
+        ctx = AttentionContext.contiguous([n])
         with torch.no_grad():
             hidden, _ = model(t(ids), torch.arange(n), kv, ctx)
             logits = model.logits(hidden)[None]

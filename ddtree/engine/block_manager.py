@@ -34,7 +34,3 @@ class BlockManager:
     def release(self, seq: Sequence) -> None:
         self.free.extend(reversed(seq.block_table))
         seq.block_table = []
-
-    def slots(self, seq: Sequence, start: int, end: int) -> list[int]:
-        bs, table = self.block_size, seq.block_table
-        return [table[p // bs] * bs + p % bs for p in range(start, end)]

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ddtree.context import AttentionContext
+from ddtree.context import AttentionContext, slots_for
 from ddtree.engine.block_manager import BlockManager
 from ddtree.engine.sequence import Sequence
 from ddtree.models.decoder import DecoderLM
@@ -90,8 +90,9 @@ class ModelRunner:
             return self.drafter.block_size
         return budget + 1
 
-    def _slots(self, seq: Sequence, start: int, end: int) -> list[int]:
-        return self.blocks.slots(seq, start, end)
+    def _block_tables(self, seqs: list[Sequence]) -> torch.Tensor:
+        width = max(len(s.block_table) for s in seqs)
+        return self._tensor([s.block_table + [0] * (width - len(s.block_table)) for s in seqs])
 
     def _tensor(self, values, dtype=torch.long) -> torch.Tensor:
         return torch.tensor(values, dtype=dtype, device=self.device)
@@ -100,14 +101,13 @@ class ModelRunner:
     @torch.inference_mode()
     def prefill(self, seqs: list[Sequence], chunks: list[int]) -> None:
         """Run the target over uncached prompt tokens (never the last one: it is the first root)."""
-        ids, pos, new_slots = [], [], []
+        ids, pos = [], []
         for seq, n in zip(seqs, chunks):
             a, b = seq.num_cached, seq.num_cached + n
             ids += seq.token_ids[a:b]
             pos += range(a, b)
-            new_slots.append(self._slots(seq, a, b))
-        ctx = AttentionContext.build([self._slots(s, 0, s.num_cached) for s in seqs], new_slots, chunks,
-                                     self.device)
+        ctx = AttentionContext.build(self._block_tables(seqs), [s.num_cached for s in seqs], chunks,
+                                     self.blocks.block_size)
         positions = self._tensor(pos)
         with self.timer("prefill"):
             _, taps = self.target(self._tensor(ids), positions, self.target_kv, ctx, self.taps)
@@ -142,8 +142,8 @@ class ModelRunner:
         S, N = self.drafter.block_size, len(seqs)
         embeds = self.drafter.block_embeddings(roots, self.target.model.embed_tokens)
         positions = (self._tensor(starts)[:, None] + torch.arange(S, device=self.device)).reshape(-1)
-        ctx = AttentionContext.build([self._slots(s, 0, st) for s, st in zip(seqs, starts)], None, [S] * N,
-                                     self.device, store=False)
+        ctx = AttentionContext.build(self._block_tables(seqs), starts, [S] * N, self.blocks.block_size,
+                                     store=False)
         hidden = self.drafter(embeds, positions, self.drafter_kv, ctx).view(N, S, -1)[:, 1:]
         return torch.log_softmax(self.target.logits(hidden.to(self.dtype)), -1)
 
@@ -165,12 +165,14 @@ class ModelRunner:
         """One target pass over root + all nodes with the ancestor mask and depth positions."""
         N, T = tree.tokens.shape
         positions = (self._tensor(starts)[:, None] + tree.depths).reshape(-1)
-        slots = [self._slots(s, st, st + T) for s, st in zip(seqs, starts)]
-        ctx = AttentionContext.build([self._slots(s, 0, st) for s, st in zip(seqs, starts)], slots, [T] * N,
-                                     self.device, tree_mask=ancestor_mask(tree.parents, tree.max_depth))
+        tables = self._block_tables(seqs)
+        slots = slots_for(tables, self._tensor(starts)[:, None] + torch.arange(T, device=self.device),
+                          self.blocks.block_size)
+        ctx = AttentionContext.build(tables, starts, [T] * N, self.blocks.block_size,
+                                     tree_mask=ancestor_mask(tree.parents, tree.max_depth))
         hidden, taps = self.target(tree.tokens.reshape(-1), positions, self.target_kv, ctx, self.taps)
         logits = self.target.logits(hidden).view(N, T, -1)
-        return logits, (taps.view(N, T, -1) if taps is not None else None), self._tensor(slots)
+        return logits, (taps.view(N, T, -1) if taps is not None else None), slots
 
     def accept(self, seqs, tree: Tree, logits) -> Accepted:
         p = [s.params for s in seqs]
