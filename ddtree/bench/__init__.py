@@ -1,0 +1,1 @@
+"""Benchmark harness: evaluation datasets (``datasets``), runs and plots."""

@@ -1,0 +1,1 @@
+"""Drafter training: prompt collection (``prompts``), data generation and training."""

@@ -1,0 +1,97 @@
+"""Drafter training on a tiny target: loss goes down, the training forward equals the inference
+forward, export -> load keeps the drafter's outputs."""
+import json
+
+import torch
+
+from ddtree import LLM, SamplingParams
+from ddtree.models.decoder import DecoderLM, ModelConfig
+from ddtree.models.dflash import DFlashDrafter
+from ddtree.train.trainer import (TrainConfig, drafter_train_logits_hidden, export_drafter, new_drafter,
+                                  target_taps, train_drafter)
+
+
+def tiny_target(vocab=32):
+    cfg = ModelConfig(model_type="qwen3", vocab_size=vocab, hidden_size=32, intermediate_size=64,
+                      num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                      rms_norm_eps=1e-6, rope_theta=10000.0, max_position_embeddings=256,
+                      tie_word_embeddings=True, attention_bias=False, qk_norm=True)
+    torch.manual_seed(0)
+    model = DecoderLM(cfg)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" not in name:
+                p.normal_(0, 0.3)
+    return model.eval()
+
+
+def write_sequences(path, n=64, vocab=32):
+    """Sequences that count upwards mod vocab from a random start: easy to learn."""
+    gen = torch.Generator().manual_seed(0)
+    seqs, prompt_lens = [], []
+    for _ in range(n):
+        start = int(torch.randint(vocab, (), generator=gen))
+        length = int(torch.randint(20, 40, (), generator=gen))
+        seqs.append(torch.tensor([(start + i) % vocab for i in range(length)], dtype=torch.int32))
+        prompt_lens.append(4)
+    offsets = [0]
+    for s in seqs:
+        offsets.append(offsets[-1] + len(s))
+    torch.save({"tokens": torch.cat(seqs), "offsets": offsets, "prompt_lens": prompt_lens, "done": n}, path)
+
+
+def test_training_lowers_loss_and_exports(tmp_path):
+    target = tiny_target()
+    write_sequences(tmp_path / "responses.pt")
+    cfg = TrainConfig(num_layers=1, num_taps=2, block_size=4, steps=100, batch_size=8, anchors=8, max_len=64,
+                      lr=1e-2)
+    # Two pieces with a resume in between, like a long run split by time limits.
+    first = train_drafter(target, tmp_path / "responses.pt", tmp_path / "run", TrainConfig(**{**cfg.__dict__}),
+                          log_every=10, max_minutes=0)  # stops at once: only checkpoints step 0
+    assert first["step"] == 0
+    out = train_drafter(target, tmp_path / "responses.pt", tmp_path / "run", cfg, log_every=10)
+    assert out["done"] and out["step"] == 100
+    log = [json.loads(line) for line in (tmp_path / "run" / "train_log.jsonl").read_text().splitlines()]
+    assert log[-1]["loss"] < 0.7 * log[0]["loss"]
+    assert log[-1]["acc_by_depth"][0] > log[0]["acc_by_depth"][0] + 0.3
+
+    export_drafter(tmp_path / "run", tmp_path / "export", dtype=torch.float32)
+    cfg_json = json.loads((tmp_path / "export" / "config.json").read_text())
+    assert cfg_json["architectures"] == ["DFlashDraftModel"] and (tmp_path / "export" / "mask_embedding.pt").exists()
+    drafter = DFlashDrafter.from_pretrained(tmp_path / "export")
+    ckpt = torch.load(tmp_path / "run" / "checkpoint.pt", weights_only=False)
+    for k, v in drafter.state_dict().items():
+        assert torch.equal(v, ckpt["model"][k]), k
+
+    # The trained drafter drives DDTree: long acceptance on the pattern, output unchanged.
+    prompt = [5, 6, 7, 8, 9]
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    ar = LLM(target=target, method="ar", device="cpu", max_model_len=64, kv_cache_gb=0.01).generate(prompt, params)[0]
+    dd = LLM(target=target, drafter=drafter, method="ddtree", budget=6, device="cpu", max_model_len=64,
+             kv_cache_gb=0.01).generate(prompt, params)[0]
+    assert dd.token_ids == ar.token_ids
+
+
+def test_training_forward_equals_inference_forward():
+    """The masked training forward of one block = the engine's drafter step on the same prefix."""
+    target = tiny_target()
+    drafter = new_drafter(target, TrainConfig(num_layers=2, num_taps=2, block_size=4, seed=1))
+    with torch.no_grad():
+        for p in drafter.parameters():
+            p.add_(torch.randn_like(p) * 0.1)
+    drafter.eval()
+    seq = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5, 8]
+    llm = LLM(target=target, drafter=drafter, method="ddtree", budget=4, device="cpu", max_model_len=64,
+              kv_cache_gb=0.01)
+    s = llm.engine.add_request(seq, SamplingParams(temperature=0, max_tokens=1))
+    llm.engine.step()  # prefill of seq[:-1]; seq[-1] is the root
+    with torch.no_grad():
+        inference = llm.engine.runner.draft([s], torch.tensor([seq[-1]]), [len(seq) - 1], "ddtree")[0]
+        ids = torch.tensor([seq + [0, 0, 0]])
+        tapped = target_taps(target, ids, drafter.taps)
+        anchors = torch.tensor([[len(seq) - 1, 2]])  # a second block must not disturb the first
+        embeds = target.embed(ids[:, anchors[0]])[:, :, None].expand(-1, -1, 4, -1).clone()
+        embeds[:, :, 1:] = drafter.mask_embedding
+        hidden = drafter_train_logits_hidden(drafter, tapped, embeds, anchors, torch.tensor([len(seq) + 3]))
+        training = torch.log_softmax(target.logits(hidden[0, 0, 1:]), -1)
+    assert torch.allclose(inference, training, atol=1e-5), float((inference - training).abs().max())
