@@ -1,4 +1,4 @@
-"""Command line: ``ddtree generate`` (``serve``, ``bench`` and ``train-drafter`` come with their issues)."""
+"""Command line: ``ddtree generate | serve | train-drafter | eval-drafter``."""
 from __future__ import annotations
 
 import argparse
@@ -51,6 +51,12 @@ def main(argv=None) -> int:
     g.add_argument("--seed", type=int, default=None)
     g.add_argument("--raw", action="store_true", help="do not apply the chat template")
     g.set_defaults(func=cmd_generate)
+
+    from ddtree.train.cli import add_parser as add_train_parser
+    add_train_parser(sub)
+    e = sub.add_parser("eval-drafter", help="tau vs budget on HumanEval and MT-Bench", add_help=False)
+    e.add_argument("args", nargs=argparse.REMAINDER)
+    e.set_defaults(func=lambda a: __import__("ddtree.bench.eval_drafter", fromlist=["main"]).main(a.args))
     args = parser.parse_args(argv)
     try:
         return args.func(args)

@@ -176,6 +176,9 @@ class ModelRunner:
 
     def accept(self, seqs, tree: Tree, logits) -> Accepted:
         p = [s.params for s in seqs]
+        for s in seqs:
+            if s.params.seed is not None and s.generator is None:
+                s.generator = torch.Generator(device=self.device).manual_seed(s.params.seed)
         samples = sample_from_logits(
             logits,
             self._tensor([x.temperature for x in p], torch.float32),

@@ -49,9 +49,7 @@ class Sequence:
         self.error: str | None = None
         self.text = ""
         self.metrics = SequenceMetrics()
-        self.generator: torch.Generator | None = None
-        if params.seed is not None:
-            self.generator = torch.Generator().manual_seed(params.seed)
+        self.generator: torch.Generator | None = None  # made on the model's device at first use
 
     def __len__(self) -> int:
         return len(self.token_ids)

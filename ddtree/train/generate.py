@@ -46,7 +46,7 @@ def generate_responses(prompts_path: str | Path, out_path: str | Path, target=No
             prompt_ids = llm.apply_chat_template(p["messages"])[: 1024 - max_new_tokens - 1]
             ids.append(prompt_ids)
             params.append(SamplingParams(temperature=temperatures[(data["done"] + i) % len(temperatures)],
-                                         max_tokens=max_new_tokens, seed=data["done"] + i))
+                                         max_tokens=max_new_tokens))
         t0 = time.perf_counter()
         outs = llm.generate(ids, params)
         data["seconds"] += time.perf_counter() - t0

@@ -53,7 +53,9 @@ def new_drafter(target: DecoderLM, cfg: TrainConfig) -> DFlashDrafter:
     gen = torch.Generator().manual_seed(cfg.seed)
     with torch.no_grad():
         for name, p in drafter.named_parameters():
-            if "norm" in name:
+            if name == "norm.weight":  # start from the target's final norm: logits on its scale
+                p.copy_(target.model.norm.weight.float().cpu())
+            elif "norm" in name:
                 p.fill_(1.0)
             elif name == "mask_embedding":
                 p.copy_(target.model.embed_tokens.weight.float().mean(0).cpu())

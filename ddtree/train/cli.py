@@ -1,0 +1,90 @@
+"""``ddtree train-drafter <stage>``: prompts -> generate -> train -> export, each resumable."""
+from __future__ import annotations
+
+import argparse
+import json
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("train-drafter", help="build a DFlash drafter for a target, in stages")
+    stages = p.add_subparsers(dest="stage", required=True)
+
+    s = stages.add_parser("prompts", help="build training prompts (ShareGPT, GSM8K train, code)", add_help=False)
+    s.add_argument("args", nargs=argparse.REMAINDER)
+    s.set_defaults(func=_prompts)
+
+    s = stages.add_parser("generate", help="regenerate responses with the target (resumable)")
+    s.add_argument("--prompts", required=True)
+    s.add_argument("--out", required=True, help="responses file (.pt), appended to on resume")
+    s.add_argument("--target", default=None)
+    s.add_argument("--device", default=None)
+    s.add_argument("--dtype", default=None)
+    s.add_argument("--max-new-tokens", type=int, default=256)
+    s.add_argument("--max-prompts", type=int, default=None)
+    s.add_argument("--chunk", type=int, default=1024)
+    s.add_argument("--max-num-seqs", type=int, default=512)
+    s.add_argument("--kv-cache-gb", type=float, default=16.0)
+    s.add_argument("--max-minutes", type=float, default=None)
+    s.set_defaults(func=_generate)
+
+    s = stages.add_parser("train", help="train (or resume) the drafter")
+    s.add_argument("--data", required=True)
+    s.add_argument("--run-dir", required=True)
+    s.add_argument("--target", default=None)
+    s.add_argument("--device", default=None)
+    s.add_argument("--layers", type=int, default=4)
+    s.add_argument("--taps", type=int, default=5)
+    s.add_argument("--block-size", type=int, default=16)
+    s.add_argument("--steps", type=int, default=2000)
+    s.add_argument("--batch-size", type=int, default=16)
+    s.add_argument("--anchors", type=int, default=64)
+    s.add_argument("--max-len", type=int, default=640)
+    s.add_argument("--lr", type=float, default=6e-4)
+    s.add_argument("--seed", type=int, default=0)
+    s.add_argument("--max-minutes", type=float, default=None, help="stop and checkpoint after this long")
+    s.set_defaults(func=_train)
+
+    s = stages.add_parser("export", help="write the z-lab checkpoint folder")
+    s.add_argument("--run-dir", required=True)
+    s.add_argument("--out", required=True)
+    s.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    s.set_defaults(func=_export)
+
+
+def _prompts(args) -> int:
+    from ddtree.train.prompts import main
+    return main(args.args) or 0
+
+
+def _generate(args) -> int:
+    from ddtree.train.generate import generate_responses
+    stats = generate_responses(args.prompts, args.out, target=args.target, max_new_tokens=args.max_new_tokens,
+                               chunk=args.chunk, max_prompts=args.max_prompts, device=args.device,
+                               dtype=args.dtype, max_num_seqs=args.max_num_seqs, kv_cache_gb=args.kv_cache_gb,
+                               max_seconds=args.max_minutes * 60 if args.max_minutes else None)
+    print(json.dumps(stats))
+    return 0
+
+
+def _train(args) -> int:
+    import torch
+
+    from ddtree.engine.llm import default_device
+    from ddtree.models.loader import load_target, resolve_target
+    from ddtree.train.trainer import TrainConfig, train_drafter
+    device = torch.device(args.device) if args.device else default_device()
+    target = load_target(resolve_target(args.target), device=device,
+                         dtype=torch.bfloat16 if device.type == "cuda" else torch.float32)
+    cfg = TrainConfig(num_layers=args.layers, num_taps=args.taps, block_size=args.block_size, steps=args.steps,
+                      batch_size=args.batch_size, anchors=args.anchors, max_len=args.max_len, lr=args.lr,
+                      seed=args.seed)
+    print(json.dumps(train_drafter(target, args.data, args.run_dir, cfg, max_minutes=args.max_minutes)))
+    return 0
+
+
+def _export(args) -> int:
+    import torch
+
+    from ddtree.train.trainer import export_drafter
+    print(export_drafter(args.run_dir, args.out, dtype=getattr(torch, args.dtype)))
+    return 0
