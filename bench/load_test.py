@@ -4,11 +4,15 @@ Sends N requests (default 500) with random prompt and output lengths at a fixed 
 (default 32) to a server on this machine, streaming, and reports completed / failed / lost,
 latency and TTFT percentiles, tokens/s and tau (read from the server's /metrics). Writes JSON.
 
+- completed: the stream ended with a finish_reason, a usage chunk and ``data: [DONE]``;
+- failed: the server answered an HTTP error or an error event;
+- lost: anything else (connection dropped, stream cut short, per-request timeout);
+- unfinished: still in flight at ``--time-limit`` (cancelled by this client) or never sent.
+
     ddtree serve --drafter random --budget 8 &
     python bench/load_test.py --num-requests 500 --concurrency 32 --min-tokens 16 --max-tokens 48
 
-Only loopback addresses are accepted. The run is bounded: requests still open after
-``--time-limit`` seconds are cancelled and counted as lost.
+Only loopback addresses are accepted. The run is bounded by ``--time-limit`` seconds.
 """
 from __future__ import annotations
 
@@ -82,6 +86,7 @@ async def one_request(client: httpx.AsyncClient, url: str, model: str, rec: dict
         path = "/v1/completions"
     start = time.perf_counter()
     rec["status"] = "lost"
+    rec["sent"] = True
     try:
         async with client.stream("POST", url + path, json=body) as r:
             if r.status_code != 200:
@@ -115,10 +120,10 @@ async def one_request(client: httpx.AsyncClient, url: str, model: str, rec: dict
             else:
                 rec["error"] = "stream ended without finish_reason, usage and [DONE]"
     except asyncio.CancelledError:
-        rec["status"], rec["error"] = "lost", "cancelled at the time limit"
+        rec["status"], rec["error"] = "unfinished", "cancelled at the time limit"
         raise
     except (httpx.HTTPError, json.JSONDecodeError) as e:
-        rec["status"], rec["error"] = "failed", f"{type(e).__name__}: {e}"
+        rec["status"], rec["error"] = "lost", f"{type(e).__name__}: {e}"
 
 
 async def run(args) -> dict:
@@ -138,10 +143,12 @@ async def run(args) -> dict:
                             "temperature": 0.0 if rng.random() < args.greedy_share else 0.8})
         todo: asyncio.Queue = asyncio.Queue()
         for rec in records:
+            rec["status"] = "unfinished"
             todo.put_nowait(rec)
+        start = time.perf_counter()
 
         async def worker():
-            while True:
+            while time.perf_counter() - start < args.time_limit:
                 try:
                     rec = todo.get_nowait()
                 except asyncio.QueueEmpty:
@@ -150,7 +157,6 @@ async def run(args) -> dict:
                 rec["endpoint"] = endpoint
                 await one_request(client, url, model, rec, endpoint)
 
-        start = time.perf_counter()
         workers = [asyncio.create_task(worker()) for _ in range(args.concurrency)]
         _, pending = await asyncio.wait(workers, timeout=args.time_limit)
         for w in pending:
@@ -182,6 +188,7 @@ async def run(args) -> dict:
         "completed": len(ok),
         "failed": sum(r["status"] == "failed" for r in records),
         "lost": sum(r["status"] == "lost" for r in records),
+        "unfinished": sum(r["status"] == "unfinished" for r in records),
         "wall_s": round(wall, 2),
         "request_throughput_per_s": round(len(ok) / wall, 3),
         "output_tokens": out_tokens,
@@ -245,7 +252,7 @@ def main(argv=None) -> int:
     print(json.dumps(result["summary"], indent=1))
     print(f"wrote {out}")
     s = result["summary"]
-    return 0 if s["failed"] == 0 and s["lost"] == 0 else 1
+    return 0 if s["completed"] == s["requests"] else 1
 
 
 if __name__ == "__main__":

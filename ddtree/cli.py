@@ -39,6 +39,14 @@ def cmd_generate(args) -> int:
 
 
 def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    # Commands with their own argument parsers.
+    if argv[:1] == ["eval-drafter"]:
+        from ddtree.bench.eval_drafter import main as eval_main
+        return eval_main(argv[1:])
+    if argv[:2] == ["train-drafter", "prompts"]:
+        from ddtree.train.prompts import main as prompts_main
+        return prompts_main(argv[2:]) or 0
     parser = argparse.ArgumentParser(prog="ddtree", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     g = sub.add_parser("generate", help="generate text for one prompt and print it with tau")
@@ -54,9 +62,7 @@ def main(argv=None) -> int:
 
     from ddtree.train.cli import add_parser as add_train_parser
     add_train_parser(sub)
-    e = sub.add_parser("eval-drafter", help="tau vs budget on HumanEval and MT-Bench", add_help=False)
-    e.add_argument("args", nargs=argparse.REMAINDER)
-    e.set_defaults(func=lambda a: __import__("ddtree.bench.eval_drafter", fromlist=["main"]).main(a.args))
+    sub.add_parser("eval-drafter", help="tau vs budget on HumanEval and MT-Bench (see eval-drafter -h)")
     args = parser.parse_args(argv)
     try:
         return args.func(args)

@@ -179,11 +179,12 @@ class ModelRunner:
         for s in seqs:
             if s.params.seed is not None and s.generator is None:
                 s.generator = torch.Generator(device=self.device).manual_seed(s.params.seed)
+        # Parameters stay on the host so sampling can skip filters nobody asked for without a sync.
         samples = sample_from_logits(
             logits,
-            self._tensor([x.temperature for x in p], torch.float32),
-            self._tensor([x.top_k for x in p]),
-            self._tensor([x.top_p for x in p], torch.float32),
+            torch.tensor([x.temperature for x in p], dtype=torch.float32),
+            torch.tensor([x.top_k for x in p]),
+            torch.tensor([x.top_p for x in p], dtype=torch.float32),
             [s.generator for s in seqs])
         path, num_accepted, bonus = accept_walk(tree.tokens, tree.parents, tree.depths, samples, tree.max_depth)
         return Accepted(path, num_accepted, bonus)

@@ -1,7 +1,6 @@
 """``ddtree train-drafter <stage>``: prompts -> generate -> train -> export, each resumable."""
 from __future__ import annotations
 
-import argparse
 import json
 
 
@@ -9,9 +8,7 @@ def add_parser(sub) -> None:
     p = sub.add_parser("train-drafter", help="build a DFlash drafter for a target, in stages")
     stages = p.add_subparsers(dest="stage", required=True)
 
-    s = stages.add_parser("prompts", help="build training prompts (ShareGPT, GSM8K train, code)", add_help=False)
-    s.add_argument("args", nargs=argparse.REMAINDER)
-    s.set_defaults(func=_prompts)
+    stages.add_parser("prompts", help="build training prompts (ShareGPT, GSM8K train, code); see prompts -h")
 
     s = stages.add_parser("generate", help="regenerate responses with the target (resumable)")
     s.add_argument("--prompts", required=True)
@@ -49,11 +46,6 @@ def add_parser(sub) -> None:
     s.add_argument("--out", required=True)
     s.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     s.set_defaults(func=_export)
-
-
-def _prompts(args) -> int:
-    from ddtree.train.prompts import main
-    return main(args.args) or 0
 
 
 def _generate(args) -> int:

@@ -167,7 +167,8 @@ def train_drafter(target: DecoderLM, data_path: str | Path, out_dir: str | Path,
     ckpt_path = out_dir / "checkpoint.pt"
     if ckpt_path.exists():
         ckpt = torch.load(ckpt_path, map_location="cpu", weights_only=False)
-        cfg = TrainConfig(**ckpt["train_config"])
+        steps = cfg.steps  # a resumed run keeps its settings but may be given a new length
+        cfg = TrainConfig(**{**ckpt["train_config"], "steps": steps})
         drafter = DFlashDrafter(DFlashConfig(**ckpt["drafter_config"]), learned_mask=True)
         drafter.load_state_dict(ckpt["model"])
     else:

@@ -1,0 +1,169 @@
+"""Drafter training prompts (ddtree.train.prompts) and evaluation sets (ddtree.bench.datasets).
+
+The builder must never let an evaluation prompt (HumanEval, MT-Bench) into the training prompts,
+also when it is reformatted or embedded in a longer text."""
+import json
+import re
+
+import pytest
+
+from ddtree.bench.datasets import eval_texts, humaneval_prompts, mtbench_prompts
+from ddtree.train import prompts as P
+
+
+def test_eval_sets_complete():
+    he = humaneval_prompts()
+    assert len(he) == 164
+    assert len({p["id"] for p in he}) == 164
+    assert he[0]["id"] == "HumanEval/0" and he[0]["entry_point"] == "has_close_elements"
+    assert all(p["prompt"].strip() and p["entry_point"] in p["prompt"] for p in he)
+    mt = mtbench_prompts()
+    assert len(mt) == 80
+    assert len({q["id"] for q in mt}) == 80
+    assert all(len(q["turns"]) == 2 and q["turns"][0].strip() for q in mt)
+    assert {q["category"] for q in mt} >= {"writing", "math", "coding", "reasoning"}
+    texts = eval_texts()
+    assert len(texts) == 164 + 160
+    assert he[7]["prompt"] in texts and mt[5]["turns"][1] in texts
+
+
+def test_contamination_index():
+    idx = P.ContaminationIndex([
+        "Compose an engaging travel blog post about a recent trip to Hawaii, highlighting cultural experiences.",
+        "Take a moment to evaluate and critique your own response.",  # 10 words: one 10-word shingle
+        "Express z-x in y",  # 5 words: exact match only
+    ])
+    assert idx.check("COMPOSE an engaging   travel blog post about a recent trip to Hawaii, highlighting "
+                     "cultural experiences.") == "exact"
+    assert idx.check("Hi! please compose an engaging travel blog post about a recent trip to Hawaii, "
+                     "highlighting cultural stuff") == "ngram"
+    assert idx.check("First this. Then: take a moment to evaluate and critique your own response!") == "ngram"
+    assert idx.check("express Z-X in y.") == "exact"
+    assert idx.check("Now express z-x in y, please") is None  # too short to match inside a text
+    assert idx.check("Compose an engaging travel blog post about a recent trip to Peru") is None  # 12 words shared
+    assert idx.check("Write a haiku about autumn leaves falling on a quiet pond.") is None
+
+
+def test_englishish():
+    assert P.is_englishish("What is the capital of France?")
+    assert P.is_englishish("def f(x):\n    return x + 1  # fix this")
+    assert not P.is_englishish("Necesito un ejemplo de test de una clase REST en la cual se simule la api")
+    assert not P.is_englishish("高等教育의 필요성에 관한 영어 에세이를 작성하시오.")
+    assert not P.is_englishish("1234 5678 !!!")
+
+
+def test_json_array_stream_stops_at_truncated_tail(tmp_path):
+    path = tmp_path / "a.json"
+    path.write_text('[\n {"id": "a", "x": [1, 2]},\n {"id": "b", "x": "}]"},\n {"id": "c", "x": "cut o',
+                    encoding="utf-8")
+    assert [o["id"] for o in P.iter_json_array(path, chunk_chars=7)] == ["a", "b"]
+    path.write_text('[{"id": "a"}, {"id": "b"}]', encoding="utf-8")
+    assert [o["id"] for o in P.iter_json_array(path, chunk_chars=5)] == ["a", "b"]
+
+
+def _shingles(text, n=13):
+    w = re.findall(r"[0-9a-z_]+", text.lower())
+    if len(w) < n:
+        return set()
+    return {" ".join(w[i:i + n]) for i in range(len(w) - n + 1)}
+
+
+def _read_jsonl(path):
+    with open(path, encoding="utf-8") as f:
+        return [json.loads(line) for line in f]
+
+
+def test_builder_removes_injected_eval_prompts(tmp_path):
+    he = sorted(humaneval_prompts(), key=lambda p: len(p["prompt"]))[:3]
+    mt = mtbench_prompts()
+    sharegpt_bad = [
+        mt[0]["turns"][0],  # verbatim
+        "  " + mt[1]["turns"][0].upper().replace(" ", "\n  ") + "  ",  # case and whitespace
+        "Hello there! I need some help with a task. " + mt[2]["turns"][0] + " Thanks a lot in advance.",  # embedded
+        "Hi. " + mt[0]["turns"][1].lower() + " Also keep it brief",  # 11-word second turn, embedded
+    ]
+    code_bad = [
+        he[0]["prompt"],
+        he[1]["prompt"].replace("    ", "\t").replace("\n\n", "\n"),
+        "Complete the following Python code and explain it:\n```python\n" + he[2]["prompt"] + "```\nThank you!",
+    ]
+    gsm8k_bad = [mt[9]["turns"][0].lower().rstrip(".?!")]
+    keep = {"sharegpt": "Tell me three fun facts about octopuses and their intelligence.",
+            "code": "Write a Python function that merges two sorted lists into one sorted list.",
+            "gsm8k": "A baker sells 12 loaves a day for 5 days. How many loaves does she sell in total?"}
+    duplicate = "  " + keep["sharegpt"].upper() + "!"  # same normalised text as a kept prompt
+    extra = {"sharegpt": sharegpt_bad + [keep["sharegpt"], duplicate], "code": code_bad + [keep["code"]],
+             "gsm8k": gsm8k_bad + [keep["gsm8k"]]}
+    out = tmp_path / "p.jsonl"
+    stats = P.build_prompts(out, n_sharegpt=6, n_gsm8k=3, n_code=3, seed=1, extra_candidates=extra)
+
+    rows = _read_jsonl(out)
+    texts = [r["messages"][0]["content"] for r in rows]
+    src = stats["sources"]
+    assert src["sharegpt"]["contaminated"] == len(sharegpt_bad)
+    assert src["sharegpt"]["contaminated_exact"] == 2 and src["sharegpt"]["contaminated_ngram"] == 2
+    assert src["code"]["contaminated"] == len(code_bad)
+    assert src["gsm8k"]["contaminated_exact"] == len(gsm8k_bad)
+    assert stats["contaminated"] == len(sharegpt_bad) + len(code_bad) + len(gsm8k_bad)
+    assert all(src[s]["extra_candidates"] == len(extra[s]) for s in P.SOURCES)
+    for bad in sharegpt_bad + code_bad + gsm8k_bad:
+        assert bad.strip() not in texts
+    assert set(keep.values()) <= set(texts)  # clean injected prompts are kept
+    assert duplicate.strip() not in texts and src["sharegpt"]["duplicate"] >= 1
+    assert [src[s]["written"] for s in P.SOURCES] == [6, 3, 3] and len(rows) == 12
+
+
+@pytest.fixture(scope="module")
+def small_build(tmp_path_factory):
+    out = tmp_path_factory.mktemp("prompts") / "train.jsonl"
+    stats = P.build_prompts(out, n_sharegpt=50, n_gsm8k=50, n_code=50, seed=0)
+    return out, stats
+
+
+def test_small_build_valid_and_clean(small_build):
+    out, stats = small_build
+    rows = _read_jsonl(out)
+    assert len(rows) == 150 == stats["total"]
+    counts = {}
+    for r in rows:
+        assert set(r) == {"source", "messages"}
+        (msg,) = r["messages"]
+        assert msg["role"] == "user" and isinstance(msg["content"], str)
+        assert P.MIN_CHARS <= len(msg["content"]) <= P.MAX_CHARS
+        assert msg["content"] == msg["content"].strip()
+        counts[r["source"]] = counts.get(r["source"], 0) + 1
+    assert counts == {"sharegpt": 50, "gsm8k": 50, "code": 50}
+    assert json.loads(P.stats_path(out).read_text()) == stats
+    assert stats["sources"]["sharegpt"]["conversations_read"] < 200  # streamed, not the whole file
+
+    texts = [r["messages"][0]["content"] for r in rows]
+    norm = [" ".join(re.findall(r"\w+", t.lower())) for t in texts]
+    assert len(set(norm)) == len(norm)
+    evals = eval_texts()
+    eval_norm = {" ".join(re.findall(r"\w+", t.lower())) for t in evals}
+    eval_grams = set().union(*(_shingles(t) for t in evals))
+    assert eval_grams  # the check below is not vacuous
+    for t, n in zip(texts, norm):
+        assert n not in eval_norm
+        assert not (_shingles(t) & eval_grams), t[:200]
+    entry_points = {p["entry_point"] for p in humaneval_prompts()}
+    code = [t for r, t in zip(rows, texts) if r["source"] == "code"]
+    assert all(t.startswith(("Write", "Implement", "In Python")) and "`" in t for t in code)
+    assert not any(re.search(r"`(?:\w+\.)?" + re.escape(ep) + r"\(", t) for t in code for ep in entry_points)
+
+
+def test_small_build_is_deterministic(small_build, tmp_path):
+    out, _ = small_build
+    again = tmp_path / "again.jsonl"
+    P.build_prompts(again, n_sharegpt=50, n_gsm8k=50, n_code=50, seed=0)
+    assert again.read_bytes() == out.read_bytes()
+
+
+def test_missing_gsm8k_is_a_clear_error(tmp_path, capsys):
+    missing = tmp_path / "nope" / "gsm8k_train.jsonl"
+    with pytest.raises(FileNotFoundError, match="GSM8K train file not found.*nope"):
+        P.build_prompts(tmp_path / "o.jsonl", n_sharegpt=1, n_gsm8k=1, n_code=1, gsm8k_path=missing)
+    assert not (tmp_path / "o.jsonl").exists()
+    assert P.main(["--out", str(tmp_path / "o.jsonl"), "--gsm8k", str(missing)]) == 2
+    assert "--gsm8k" in capsys.readouterr().err
+    assert P.DEFAULT_GSM8K.name == "gsm8k_train.jsonl" and P.DEFAULT_GSM8K.parent.parent.name == "shared"
