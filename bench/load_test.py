@@ -133,6 +133,7 @@ async def run(args) -> dict:
                                  limits=httpx.Limits(max_connections=args.concurrency + 4)) as client:
         models = (await client.get(url + "/v1/models")).json()["data"]
         model = args.model or models[0]["id"]
+        server_info = {k: models[0].get(k) for k in ("id", "max_model_len", "speculative")}
         metrics_before = (await client.get(url + "/metrics")).text
         records = []
         for i in range(args.num_requests):
@@ -216,7 +217,9 @@ async def run(args) -> dict:
         "errors": sorted({r.get("error") for r in records if r.get("error")})[:10],
     }
     config = {k: v for k, v in vars(args).items() if k != "out"}
+    config["started"] = time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(time.time() - wall))
     config["model"] = model
+    config["server"] = server_info
     per_request = [{k: (round(v, 4) if isinstance(v, float) else v) for k, v in r.items() if k != "prompt"}
                    for r in records]
     return {"config": config, "summary": summary, "requests": per_request}
@@ -237,6 +240,7 @@ def main(argv=None) -> int:
     p.add_argument("--time-limit", type=float, default=600.0, help="seconds; open requests are then cancelled")
     p.add_argument("--request-timeout", type=float, default=300.0)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--note", default=None, help="free text stored with the results (hardware, server flags)")
     p.add_argument("--out", default=None, help="JSON path (default: bench/results/load_test_<time>.json)")
     args = p.parse_args(argv)
     host = urlparse(args.url).hostname

@@ -223,6 +223,7 @@ BAD = [
     ("completions", {"prompt": "hi", "n": 2}, "n", None),
     ("chat", {"messages": CHAT, "n": 3, "stream": True}, "n", None),
     ("completions", {"prompt": "hi", "stop": [""]}, "stop", None),
+    ("completions", b'{"prompt": "lone \\ud800 surrogate"}', "prompt", None),
     ("completions", {"prompt": "hi", "stream_options": {"include_usage": True}}, "stream_options", None),
     ("completions", {"prompt": "hi", "speculative": {"budget": 99}}, "speculative.budget", None),
     ("completions", {"prompt": "hi", "speculative": {"method": "beam"}}, "speculative", None),

@@ -129,7 +129,12 @@ class OpenAIServer:
                     raise ApiError(400, "this server has no tokenizer: send token ids", param="prompt")
                 if not item:
                     raise ApiError(400, "prompt is empty", param="prompt")
-                out.append((item, self.tokenizer.encode(item, add_special_tokens=False)))
+                try:
+                    ids = self.tokenizer.encode(item, add_special_tokens=False)
+                except Exception as e:  # noqa: BLE001 - e.g. a lone UTF-16 surrogate
+                    raise ApiError(400, f"the prompt cannot be tokenized ({type(e).__name__}: {e}); is it valid "
+                                        "Unicode?", param="prompt") from e
+                out.append((item, ids))
             else:
                 out.append((None, list(item)))
         return out
@@ -197,6 +202,17 @@ class OpenAIServer:
         return {}
 
     # ---- one request -------------------------------------------------------------------------
+    async def safe_handle(self, kind: str, req, raw: Request):
+        """``handle``, with any unexpected exception answered as this request's error (never a 5xx:
+        the server is fine and serves the other requests)."""
+        try:
+            return await self.handle(kind, req, raw)
+        except Exception as e:  # noqa: BLE001
+            log.exception("request failed")
+            self.metrics.error(raw.url.path, "server_error")
+            return _error_response(ApiError(ENGINE_ERROR_STATUS, f"{type(e).__name__}: {e}", type="server_error",
+                                            code="engine_error"))
+
     async def handle(self, kind: str, req, raw: Request):
         arrival = time.monotonic()
         endpoint = raw.url.path
@@ -217,6 +233,10 @@ class OpenAIServer:
         except ValueError as e:  # SamplingParams validation
             self.metrics.error(endpoint, "invalid_request_error")
             return _error_response(ApiError(400, str(e), param=_param_of(str(e), kind)))
+        except Exception as e:  # noqa: BLE001 - unexpected, but while reading this request's input
+            log.exception("could not process the input of a request")
+            self.metrics.error(endpoint, "invalid_request_error")
+            return _error_response(ApiError(400, f"could not process the request: {type(e).__name__}: {e}"))
 
         rid = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
         sink: asyncio.Queue = asyncio.Queue()
@@ -327,6 +347,12 @@ class OpenAIServer:
                 return {"index": i, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
             return {"index": i, "text": text, "logprobs": None, "finish_reason": finish_reason}
 
+        def error(message):
+            abort_open()
+            self.metrics.error(endpoint, "server_error")
+            return _sse({"error": {"message": message, "type": "server_error", "param": None,
+                                   "code": "engine_error"}}) + "data: [DONE]\n\n"
+
         try:
             if kind == "chat":
                 yield chunk([choice(i, "", role=True) for i in range(len(ids))])
@@ -335,11 +361,7 @@ class OpenAIServer:
                 if ev.index not in open_ids:
                     continue
                 if ev.error is not None:
-                    abort_open()
-                    self.metrics.error(endpoint, "server_error")
-                    yield _sse({"error": {"message": ev.error, "type": "server_error", "param": None,
-                                          "code": "engine_error"}})
-                    yield "data: [DONE]\n\n"
+                    yield error(ev.error)
                     return
                 finished = ev.finish_reason is not None
                 text = streams[ev.index].delta(ev.text, finished)
@@ -353,6 +375,9 @@ class OpenAIServer:
                 yield chunk([], {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
                                  "total_tokens": prompt_tokens + completion_tokens})
             yield "data: [DONE]\n\n"
+        except Exception as e:  # noqa: BLE001 - the headers are sent: end the stream with an error event
+            log.exception("stream %s failed", rid)
+            yield error(f"{type(e).__name__}: {e}")
         finally:
             abort_open()  # client disconnected (or the server is cancelling us)
 
@@ -438,12 +463,12 @@ def build_app(llm, served_model_name: str | None = None, shutdown_grace_s: float
     @app.post("/v1/completions", responses=ERROR_RESPONSES)
     async def completions(body: CompletionRequest, raw: Request):
         """OpenAI text completions (streaming with stream=true)."""
-        return await server.handle("completion", body, raw)
+        return await server.safe_handle("completion", body, raw)
 
     @app.post("/v1/chat/completions", responses=ERROR_RESPONSES)
     async def chat_completions(body: ChatCompletionRequest, raw: Request):
         """OpenAI chat completions (streaming with stream=true)."""
-        return await server.handle("chat", body, raw)
+        return await server.safe_handle("chat", body, raw)
 
     @app.get("/v1/models")
     async def models():

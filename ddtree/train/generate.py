@@ -28,7 +28,7 @@ def generate_responses(prompts_path: str | Path, out_path: str | Path, target=No
                        max_seconds: float | None = None, device=None, dtype=None, max_num_seqs: int = 512,
                        kv_cache_gb: float = 16.0) -> dict:
     """Generate responses for the prompts; alternate ``temperatures`` across prompts."""
-    prompts = [json.loads(line) for line in Path(prompts_path).read_text().splitlines() if line.strip()]
+    prompts = [json.loads(line) for line in Path(prompts_path).read_text().split("\n") if line.strip()]
     if max_prompts is not None:
         prompts = prompts[:max_prompts]
     out_path = Path(out_path)
