@@ -60,6 +60,8 @@ def main(argv=None) -> int:
     g.add_argument("--raw", action="store_true", help="do not apply the chat template")
     g.set_defaults(func=cmd_generate)
 
+    from ddtree.server.cli import add_serve_parser
+    add_serve_parser(sub)
     from ddtree.train.cli import add_parser as add_train_parser
     add_train_parser(sub)
     sub.add_parser("eval-drafter", help="tau vs budget on HumanEval and MT-Bench (see eval-drafter -h)")
