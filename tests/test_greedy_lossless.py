@@ -1,6 +1,8 @@
 """Greedy losslessness: DFlash chain and DDTree emit exactly the AR token ids (SmolLM2, fp32, CPU)."""
 import pytest
 
+from ddtree.engine.llm import SHIPPED_DRAFTERS
+
 from conftest import GREEDY_64, make_llm
 from oracle import OracleDrafter
 
@@ -12,11 +14,20 @@ def _check_equal(prompts, outs, ar_reference):
         assert sum(o.metrics.accepted_lengths) == 64
 
 
-@pytest.mark.parametrize("method,budget", [("dflash", 0), ("ddtree", 4), ("ddtree", 12)])
-def test_random_drafter_mixed_batch(smol, tokenizer, prompts, ar_reference, method, budget):
-    llm = make_llm(smol, tokenizer, method=method, budget=budget)
+SHIPPED = SHIPPED_DRAFTERS / "SmolLM2-135M-Instruct-DFlash"
+
+
+@pytest.mark.parametrize("method,budget,drafter", [("dflash", 0, "random"), ("ddtree", 4, "random"),
+                                                   ("ddtree", 12, "random"), ("dflash", 0, "shipped"),
+                                                   ("ddtree", 16, "shipped")])
+def test_mixed_batch(smol, tokenizer, prompts, ar_reference, method, budget, drafter):
+    llm = make_llm(smol, tokenizer, method=method, budget=budget,
+                   drafter=SHIPPED if drafter == "shipped" else drafter)
     outs = llm.generate(prompts, GREEDY_64)
     _check_equal(prompts, outs, ar_reference)
+    if drafter == "shipped":  # the trained drafter is loaded right and actually helps
+        lens = [n for o in outs for n in o.metrics.accepted_lengths]
+        assert sum(lens) / len(lens) > (1.3 if method == "dflash" else 1.6)
 
 
 @pytest.fixture(scope="module")
