@@ -180,6 +180,82 @@ def test_topk_per_depth_stable_ties():
     assert vals.tolist() == [[[1.0, 1.0, 1.0, 0.5]]]
 
 
+def _stable_topk_reference(x, k):
+    vals, idx = torch.sort(x.float(), dim=-1, descending=True, stable=True)
+    return vals[..., :k], idx[..., :k]
+
+
+def _topk_inputs():
+    g = torch.Generator().manual_seed(123)
+    yield "random", random_logprobs(3, 4, 97, 5)
+    yield "ties2", tie_logprobs(3, 4, 97, 6, levels=2)
+    yield "ties3", tie_logprobs(4, 3, 64, 7, levels=3)
+    yield "ties3_inf", tie_logprobs(3, 4, 97, 8, levels=3, neg_inf_frac=0.5)
+    yield "mostly_inf", tie_logprobs(3, 4, 97, 9, levels=2, neg_inf_frac=0.97)
+    yield "all_equal", torch.log_softmax(torch.zeros(2, 3, 50), -1)
+    # raw (unnormalised) values with heavy ties, signed zeros, +-inf
+    raw = torch.randint(-2, 3, (5, 6, 80), generator=g).float()
+    raw[raw == 2] = float("inf")
+    raw[raw == -2] = float("-inf")
+    raw[(raw == 0) & (torch.rand(raw.shape, generator=g) < 0.5)] = -0.0
+    yield "raw", raw
+    yield "raw_1d", raw[0, 0]
+    yield "fp16", (torch.randn(2, 3, 70, generator=g) * 2).half().round().float().half()
+
+
+@pytest.mark.parametrize("name,x", list(_topk_inputs()), ids=lambda v: v if isinstance(v, str) else "")
+def test_topk_per_depth_matches_full_stable_sort(name, x):
+    import ddtree.tree.build as build_mod
+
+    v = x.shape[-1]
+    for k in sorted({0, 1, 2, 3, 7, 8, 16, v // 2, v - 1, v, v + 5}):
+        ref_v, ref_i = _stable_topk_reference(x, k)
+        got_v, got_i = topk_per_depth(x, k)
+        assert got_v.dtype == torch.float32 and got_i.dtype == torch.long
+        assert torch.equal(got_i, ref_i), (name, k)
+        assert torch.equal(got_v, ref_v), (name, k)
+        # sign of zero must match too (values are gathered, not recomputed)
+        assert torch.equal(torch.signbit(got_v), torch.signbit(ref_v)), (name, k)
+        if 0 < k <= v:
+            # the selection path itself, including k == V (which
+            # topk_per_depth routes to the full sort)
+            sel_v, sel_i = build_mod._topk_select(x.float(), k)
+            assert torch.equal(sel_i, ref_i), (name, k)
+            assert torch.equal(sel_v, ref_v) and torch.equal(torch.signbit(sel_v), torch.signbit(ref_v))
+        assert torch.equal(build_mod._topk_per_depth_reference(x, k)[1], ref_i)
+
+
+def test_topk_per_depth_large_vocab_ties():
+    # vocab-sized rows where the k-th value is tied far beyond k entries
+    g = torch.Generator().manual_seed(3)
+    x = torch.randint(0, 4, (2, 3, 49152), generator=g).float()
+    x[0, 0, 1000:1010] = 10.0  # a few distinct top values, then a huge tie
+    x[1, 2] = float("-inf")
+    x[1, 2, 40000] = 0.0
+    for k in (8, 16, 64, 256):
+        ref_v, ref_i = _stable_topk_reference(x, k)
+        got_v, got_i = topk_per_depth(x, k)
+        assert torch.equal(got_i, ref_i) and torch.equal(got_v, ref_v), k
+
+
+def test_topk_select_has_no_sync_calls():
+    import ddtree.tree.build as build_mod
+
+    src = inspect.getsource(build_mod._topk_select)
+    for bad in (".item(", ".tolist(", ".cpu(", "nonzero"):
+        assert bad not in src, bad
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_topk_per_depth_on_cuda_matches_reference():
+    for name, x in _topk_inputs():
+        v = x.shape[-1]
+        for k in (1, 5, v // 2, v - 1, v):
+            ref_v, ref_i = _stable_topk_reference(x, k)
+            got_v, got_i = topk_per_depth(x.cuda(), k)
+            assert torch.equal(got_i.cpu(), ref_i) and torch.equal(got_v.cpu(), ref_v), (name, k)
+
+
 # ------------------------------------------------------ batched == heap
 
 
