@@ -5,22 +5,13 @@ import argparse
 import sys
 import time
 
-
-def _add_model_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--target", default=None, help="HF folder or .gguf file (default: SmolLM2-135M-Instruct)")
-    p.add_argument("--drafter", default=None, help="DFlash drafter folder, or 'random' (default: the shipped one)")
-    p.add_argument("--method", default="ddtree", choices=["ar", "dflash", "ddtree"])
-    p.add_argument("--budget", type=int, default=32, help="DDTree node budget")
-    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
-    p.add_argument("--dtype", default=None, help="float32 or bfloat16 (default: fp32 on CPU, bf16 on CUDA)")
-    p.add_argument("--max-model-len", type=int, default=2048)
+from ddtree.engine.args import add_engine_args, llm_from_args
 
 
 def cmd_generate(args) -> int:
-    from ddtree import LLM, SamplingParams
+    from ddtree import SamplingParams
 
-    llm = LLM(target=args.target, drafter=args.drafter, method=args.method, budget=args.budget,
-              device=args.device, dtype=args.dtype, max_model_len=args.max_model_len)
+    llm = llm_from_args(args)
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                             max_tokens=args.max_tokens, seed=args.seed)
     start = time.perf_counter()
@@ -51,7 +42,7 @@ def main(argv=None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     g = sub.add_parser("generate", help="generate text for one prompt and print it with tau")
     g.add_argument("prompt", nargs="?", default="Write a Python function that checks whether a number is prime.")
-    _add_model_args(g)
+    add_engine_args(g)
     g.add_argument("--temperature", type=float, default=0.0)
     g.add_argument("--top-p", type=float, default=1.0)
     g.add_argument("--top-k", type=int, default=0)

@@ -11,9 +11,9 @@ from scipy.stats import chi2_contingency, chisquare
 from ddtree import LLM, SamplingParams
 from ddtree.context import AttentionContext
 from ddtree.engine import runner as runner_mod
-from ddtree.models.decoder import DecoderLM, ModelConfig
 from ddtree.models.dflash import random_drafter
 from ddtree.tree import accept_walk, filtered_probs, gather_rows, sample_from_logits
+from tiny import tiny_model
 
 ALPHA = 0.001
 N_SAMPLES = 4000
@@ -23,17 +23,7 @@ PARAMS = dict(temperature=0.8, top_k=5, top_p=0.95, max_tokens=3, ignore_eos=Tru
 
 @pytest.fixture(scope="module")
 def tiny():
-    cfg = ModelConfig(model_type="llama", vocab_size=6, hidden_size=32, intermediate_size=64,
-                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
-                      rms_norm_eps=1e-5, rope_theta=10000.0, max_position_embeddings=64,
-                      tie_word_embeddings=False, attention_bias=False, qk_norm=False)
-    torch.manual_seed(0)
-    model = DecoderLM(cfg)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" not in name:
-                p.normal_(0, 0.35)
-    return model.eval()
+    return tiny_model("llama", vocab=6, layers=2, std=0.35)
 
 
 def exact_distribution(model, params) -> dict[tuple, float]:

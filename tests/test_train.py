@@ -5,24 +5,14 @@ import json
 import torch
 
 from ddtree import LLM, SamplingParams
-from ddtree.models.decoder import DecoderLM, ModelConfig
 from ddtree.models.dflash import DFlashDrafter
+from tiny import tiny_model
 from ddtree.train.trainer import (TrainConfig, drafter_train_logits_hidden, export_drafter, new_drafter,
                                   target_taps, train_drafter)
 
 
 def tiny_target(vocab=32):
-    cfg = ModelConfig(model_type="qwen3", vocab_size=vocab, hidden_size=32, intermediate_size=64,
-                      num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
-                      rms_norm_eps=1e-6, rope_theta=10000.0, max_position_embeddings=256,
-                      tie_word_embeddings=True, attention_bias=False, qk_norm=True)
-    torch.manual_seed(0)
-    model = DecoderLM(cfg)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" not in name:
-                p.normal_(0, 0.3)
-    return model.eval()
+    return tiny_model("qwen3", vocab=vocab, layers=4, std=0.3)
 
 
 def write_sequences(path, n=64, vocab=32):

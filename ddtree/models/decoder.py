@@ -13,7 +13,7 @@ from torch import nn
 
 from ddtree.context import AttentionContext
 from ddtree.kernels.attention import paged_attention, store_kv
-from ddtree.models.layers import MLP, RMSNorm, Rotary, apply_rotary
+from ddtree.models.layers import RMSNorm, ResidualBlock, Rotary, apply_rotary
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
 
@@ -101,24 +101,12 @@ class Attention(nn.Module):
         return self.o_proj(o.reshape(T, -1))
 
 
-class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig):
-        super().__init__()
-        self.self_attn = Attention(cfg)
-        self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size)
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-
-    def forward(self, x, cos, sin, kv_cache, ctx):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, ctx)
-        return x + self.mlp(self.post_attention_layernorm(x))
-
-
 class Backbone(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_hidden_layers))
+        self.layers = nn.ModuleList(ResidualBlock(Attention(cfg), cfg.hidden_size, cfg.intermediate_size, cfg.rms_norm_eps)
+                                    for _ in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 

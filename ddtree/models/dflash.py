@@ -20,7 +20,7 @@ from torch import nn
 from ddtree.context import AttentionContext
 from ddtree.kernels.attention import block_attention, store_kv
 from ddtree.models.decoder import ModelConfig
-from ddtree.models.layers import MLP, RMSNorm, Rotary, apply_rotary
+from ddtree.models.layers import RMSNorm, ResidualBlock, Rotary, apply_rotary
 
 
 @dataclass
@@ -135,24 +135,13 @@ class DFlashAttention(nn.Module):
         return self.o_proj(o.reshape(T, -1))
 
 
-class DFlashLayer(nn.Module):
-    def __init__(self, cfg: DFlashConfig):
-        super().__init__()
-        self.self_attn = DFlashAttention(cfg)
-        self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size)
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-
-    def forward(self, x, cos, sin, kv_cache, ctx):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, ctx)
-        return x + self.mlp(self.post_attention_layernorm(x))
-
-
 class DFlashDrafter(nn.Module):
     def __init__(self, cfg: DFlashConfig, learned_mask: bool = False):
         super().__init__()
         self.config = cfg
-        self.layers = nn.ModuleList(DFlashLayer(cfg) for _ in range(cfg.num_hidden_layers))
+        self.layers = nn.ModuleList(
+            ResidualBlock(DFlashAttention(cfg), cfg.hidden_size, cfg.intermediate_size, cfg.rms_norm_eps)
+            for _ in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.fc = nn.Linear(len(cfg.target_layer_ids) * cfg.hidden_size, cfg.hidden_size, bias=False)
         self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)

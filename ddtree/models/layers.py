@@ -52,3 +52,18 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     rotated = torch.cat([-x[..., half:], x[..., :half]], -1)
     xf = x.float()
     return (xf * cos[:, None] + rotated.float() * sin[:, None]).to(x.dtype)
+
+
+class ResidualBlock(nn.Module):
+    """Pre-norm decoder block shared by the target and the drafter (they differ in attention)."""
+
+    def __init__(self, attention: nn.Module, hidden: int, intermediate: int, eps: float):
+        super().__init__()
+        self.self_attn = attention
+        self.mlp = MLP(hidden, intermediate)
+        self.input_layernorm = RMSNorm(hidden, eps)
+        self.post_attention_layernorm = RMSNorm(hidden, eps)
+
+    def forward(self, x, cos, sin, kv_cache, ctx):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, ctx)
+        return x + self.mlp(self.post_attention_layernorm(x))

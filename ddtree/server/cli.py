@@ -10,20 +10,13 @@ import logging
 import signal
 import sys
 
+from ddtree.engine.args import add_engine_args, llm_from_args
+
 
 def _add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
     p.add_argument("--port", type=int, default=8000, help="port (default: 8000)")
-    p.add_argument("--target", default=None, help="HF folder or .gguf file (default: SmolLM2-135M-Instruct)")
-    p.add_argument("--drafter", default=None, help="DFlash drafter folder, or 'random' (default: the shipped one)")
-    p.add_argument("--method", default="ddtree", choices=["ar", "dflash", "ddtree"])
-    p.add_argument("--budget", type=int, default=32, help="DDTree node budget (default: 32)")
-    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
-    p.add_argument("--dtype", default=None, help="float32 or bfloat16 (default: fp32 on CPU, bf16 on CUDA)")
-    p.add_argument("--max-model-len", type=int, default=2048, help="context length: prompt + output tokens")
-    p.add_argument("--max-num-seqs", type=int, default=64, help="requests in the running batch at most")
-    p.add_argument("--max-num-batched-tokens", type=int, default=2048, help="prefill tokens per step at most")
-    p.add_argument("--kv-cache-gb", type=float, default=1.0, help="KV cache size in GiB (target + drafter)")
+    add_engine_args(p)
     p.add_argument("--served-model-name", default=None,
                    help="the model name clients send and /v1/models lists (default: from the target)")
     p.add_argument("--timeout-graceful-shutdown", type=float, default=10.0,
@@ -45,14 +38,10 @@ def cmd_serve(args) -> int:
     logging.basicConfig(level=getattr(logging, args.log_level.upper()),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     log = logging.getLogger("ddtree.server")
-    from ddtree import LLM
     from ddtree.server.app import build_app
     from ddtree.server.serving import make_server
 
-    llm = LLM(target=args.target, drafter=args.drafter, method=args.method, budget=args.budget,
-              device=args.device, dtype=args.dtype, max_model_len=args.max_model_len,
-              max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-              kv_cache_gb=args.kv_cache_gb)
+    llm = llm_from_args(args)
     app = build_app(llm, served_model_name=args.served_model_name,
                     shutdown_grace_s=args.timeout_graceful_shutdown)
     server = make_server(app, args.host, args.port, log_level=args.log_level,

@@ -234,7 +234,7 @@ def train_drafter(target: DecoderLM, data_path: str | Path, out_dir: str | Path,
                     "minutes": round((elapsed + time.perf_counter() - start) / 60, 2)}
             log.write(json.dumps(last) + "\n")
             log.flush()
-            bar.set_postfix(loss=f"{float(loss):.3f}", acc1=f"{float(acc[0]):.2f}")
+            bar.set_postfix(loss=f"{float(loss.detach()):.3f}", acc1=f"{float(acc[0]):.2f}")
     bar.close()
     elapsed += time.perf_counter() - start
     torch.save({"model": drafter.state_dict(), "optimizer": opt.state_dict(), "scheduler": sched.state_dict(),

@@ -1,0 +1,25 @@
+"""Command-line flags shared by every command that builds an engine (generate, serve)."""
+from __future__ import annotations
+
+import argparse
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--target", default=None, help="HF folder or .gguf file (default: SmolLM2-135M-Instruct)")
+    p.add_argument("--drafter", default=None, help="DFlash drafter folder, or 'random' (default: the shipped one)")
+    p.add_argument("--method", default="ddtree", choices=["ar", "dflash", "ddtree"])
+    p.add_argument("--budget", type=int, default=32, help="DDTree node budget (default: 32)")
+    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
+    p.add_argument("--dtype", default=None, help="float32 or bfloat16 (default: fp32 on CPU, bf16 on CUDA)")
+    p.add_argument("--max-model-len", type=int, default=2048, help="context length: prompt + output tokens")
+    p.add_argument("--max-num-seqs", type=int, default=64, help="requests in the running batch at most")
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048, help="prefill tokens per step at most")
+    p.add_argument("--kv-cache-gb", type=float, default=1.0, help="KV cache size in GiB (target + drafter)")
+
+
+def llm_from_args(args):
+    from ddtree import LLM
+    return LLM(target=args.target, drafter=args.drafter, method=args.method, budget=args.budget,
+               device=args.device, dtype=args.dtype, max_model_len=args.max_model_len,
+               max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+               kv_cache_gb=args.kv_cache_gb)
