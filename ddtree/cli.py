@@ -1,4 +1,4 @@
-"""Command line: ``ddtree generate | serve | train-drafter | eval-drafter``."""
+"""Command line: ``ddtree generate | serve | bench | train-drafter | eval-drafter``."""
 from __future__ import annotations
 
 import argparse
@@ -32,6 +32,9 @@ def cmd_generate(args) -> int:
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     # Commands with their own argument parsers.
+    if argv[:1] == ["bench"]:
+        from ddtree.bench.speed import main as bench_main
+        return bench_main(argv[1:])
     if argv[:1] == ["eval-drafter"]:
         from ddtree.bench.eval_drafter import main as eval_main
         return eval_main(argv[1:])
@@ -55,6 +58,7 @@ def main(argv=None) -> int:
     add_serve_parser(sub)
     from ddtree.train.cli import add_parser as add_train_parser
     add_train_parser(sub)
+    sub.add_parser("bench", help="AR / DFlash / DDTree speed side by side (see bench -h; --quick for CPU)")
     sub.add_parser("eval-drafter", help="tau vs budget on HumanEval and MT-Bench (see eval-drafter -h)")
     args = parser.parse_args(argv)
     try:
