@@ -14,8 +14,9 @@ from ddtree.engine.block_manager import BlockManager
 from ddtree.engine.sequence import Sequence
 from ddtree.models.decoder import DecoderLM
 from ddtree.models.dflash import DFlashDrafter
-from ddtree.tree import (accept_walk, ancestor_mask, build_tree_batched, chain_tree, gather_rows,
-                         sample_from_logits, with_root)
+from ddtree.tree import (accept_walk, ancestor_mask, build_tree_batched, chain_tree, compaction_moves,
+                         gather_rows, sample_from_logits, with_root)
+from ddtree.tree import positions as node_positions
 
 METHODS = ("ar", "dflash", "ddtree")
 
@@ -164,7 +165,7 @@ class ModelRunner:
     def verify(self, seqs, starts, tree: Tree):
         """One target pass over root + all nodes with the ancestor mask and depth positions."""
         N, T = tree.tokens.shape
-        positions = (self._tensor(starts)[:, None] + tree.depths).reshape(-1)
+        positions = node_positions(self._tensor(starts), tree.depths).reshape(-1)
         tables = self._block_tables(seqs)
         slots = slots_for(tables, self._tensor(starts)[:, None] + torch.arange(T, device=self.device),
                           self.blocks.block_size)
@@ -192,10 +193,10 @@ class ModelRunner:
     def commit(self, seqs, starts, tree: Tree, acc: Accepted, taps, slots) -> list[list[int]]:
         """Move accepted K/V into chain order, extend the drafter context, return new tokens."""
         L = acc.path.shape[1]
-        keep = torch.arange(L, device=self.device)[None, :] < acc.num_accepted[:, None]  # [N, L]
-        src = gather_rows(slots, acc.path)     # slots the accepted nodes were written to
-        dst = slots[:, :L]                      # where chain order puts them
-        move = keep & (src != dst)
+        src_off, dst_off, move = compaction_moves(acc.path, acc.num_accepted)
+        keep = dst_off < acc.num_accepted[:, None]  # [N, L] accepted nodes, root first
+        src = gather_rows(slots, src_off)           # slots the accepted nodes were written to
+        dst = gather_rows(slots, dst_off)           # where chain order puts them
         if bool(move.any()):
             s, d = src[move], dst[move]
             for k_cache, v_cache in self.target_kv:
