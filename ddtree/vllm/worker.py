@@ -1,0 +1,35 @@
+"""vLLM worker classes that build the DDTree model runner."""
+from __future__ import annotations
+
+from unittest import mock
+
+CPU_WORKER = "ddtree.vllm.worker.DDTreeCPUWorker"
+
+
+def worker_class_for_platform() -> str:
+    from vllm.platforms import current_platform
+
+    if current_platform.is_cpu():
+        return CPU_WORKER
+    raise ValueError(
+        f"ddtree: the vLLM plugin's tree verification is implemented for vLLM's CPU backend "
+        f"(legacy model runner); platform {current_platform.device_name!r} is not supported yet "
+        "(GPU Model Runner V2 hooks are not written/verified)")
+
+
+def _cpu_worker_base():
+    from vllm.v1.worker.cpu_worker import CPUWorker
+    return CPUWorker
+
+
+class DDTreeCPUWorker(_cpu_worker_base()):
+    def init_device(self):
+        import vllm.v1.worker.cpu_worker as cpu_worker
+
+        from ddtree.vllm.runner import DDTreeCPUModelRunner
+
+        if getattr(self, "use_v2_model_runner", False):
+            raise ValueError("ddtree: needs vLLM's legacy model runner on CPU (unset VLLM_USE_V2_MODEL_RUNNER)")
+        # CPUWorker.init_device constructs the runner by this module-level name.
+        with mock.patch.object(cpu_worker, "CPUModelRunner", DDTreeCPUModelRunner):
+            super().init_device()
