@@ -14,7 +14,6 @@ import threading
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 
 @dataclass
@@ -90,13 +89,43 @@ def block_regions(kv_cache: torch.Tensor) -> torch.Tensor:
     return kv_cache.view(kv_cache.shape[0], kv_cache.shape[1], -1)
 
 
+def _as_block(index: torch.Tensor):
+    """(offset, transposed) when ``index`` is one contiguous [bs, D] or [D, bs] plane, else None."""
+    bs, d = index.shape
+    base = int(index[0, 0])
+    t, c = torch.arange(bs)[:, None], torch.arange(d)[None, :]
+    if torch.equal(index, base + t * d + c):
+        return base, False
+    if torch.equal(index, base + c * bs + t):
+        return base, True
+    return None
+
+
 def gather_tokens(regions: torch.Tensor, index: torch.Tensor, block_row: torch.Tensor,
                   length: int) -> torch.Tensor:
     """K (or V) of positions 0..length-1 of one request: [kv_heads, length, head]."""
-    block_size = index.shape[0]
+    block_size, head = index.shape
     n_blocks = (length + block_size - 1) // block_size
-    x = regions[block_row[:n_blocks].long()][:, :, index]  # [n, H, bs, D]
-    return x.permute(1, 0, 2, 3).reshape(x.shape[1], n_blocks * block_size, -1)[:, :length]
+    blocks = regions[block_row[:n_blocks].long()]  # [n, H, region]
+    plane = _plane_of(index)
+    if plane is None:
+        x = blocks[:, :, index]  # [n, H, bs, D], any layout
+    else:
+        offset, transposed = plane
+        x = blocks[:, :, offset:offset + block_size * head]
+        x = (x.view(n_blocks, -1, head, block_size).transpose(-1, -2) if transposed
+             else x.view(n_blocks, -1, block_size, head))
+    return x.permute(1, 0, 2, 3).reshape(x.shape[1], n_blocks * block_size, head)[:, :length]
+
+
+_planes: dict[int, tuple[int, bool] | None] = {}
+
+
+def _plane_of(index: torch.Tensor):
+    key = id(index)  # layouts are cached tensors, so their ids are stable
+    if key not in _planes:
+        _planes[key] = _as_block(index)
+    return _planes[key]
 
 
 def move_tokens(kv_cache: torch.Tensor, layout, src: torch.Tensor, dst: torch.Tensor) -> None:
@@ -124,14 +153,17 @@ def tree_attention(query, kv_cache, layout, metadata, masks: StepMasks, scale: f
         prefix = length - q_len
         k = gather_tokens(regions, key_index, metadata.block_table[r], length)
         v = gather_tokens(regions, value_index, metadata.block_table[r], length)
-        groups = heads // k.shape[0]
-        if groups > 1:
-            k, v = k.repeat_interleave(groups, 0), v.repeat_interleave(groups, 0)
+        kv_heads = k.shape[0]
+        groups = heads // kv_heads
         new = step_mask if step_mask is not None else torch.ones(
             q_len, q_len, dtype=torch.bool, device=query.device).tril()
         mask = torch.cat([torch.ones(q_len, prefix, dtype=torch.bool, device=query.device), new], 1)
-        q = query[q0:q1].transpose(0, 1)  # [Hq, q, D]
-        o = F.scaled_dot_product_attention(q, k.to(q.dtype), v.to(q.dtype), attn_mask=mask, scale=scale)
+        # Grouped-query attention without repeating K/V: the query heads sharing a KV head are
+        # stacked along the rows. Plain matmuls: faster than SDPA's masked path for these sizes.
+        q = query[q0:q1].transpose(0, 1).reshape(kv_heads, groups * q_len, -1)
+        scores = torch.matmul(q, k.to(q.dtype).transpose(1, 2)) * scale
+        scores.masked_fill_(~mask.repeat(groups, 1), float("-inf"))
+        o = torch.matmul(torch.softmax(scores, dim=-1), v.to(q.dtype)).view(heads, q_len, -1)
         output[q0:q1].copy_(o.transpose(0, 1))
     return output
 

