@@ -1,14 +1,20 @@
 """The one object that carries attention metadata for a forward pass (nano-vllm style).
 
-Built once per forward from the sequences' block tables with tensor ops (no per-token host
-loops) and shared by every layer. Queries of all sequences are padded into [N, Qmax] rows and
-keys gathered from the paged cache into [N, Kmax] rows, so each layer runs one batched attention
-call."""
+A forward runs a flat batch of new tokens from N sequences. Sequence i has ``cached_lens[i]``
+tokens already in the paged cache (all visible to its queries) and its new tokens at the next
+positions; the new tokens' K/V are written to ``slot_mapping`` and the new tokens see each other
+by ``mask``: "causal" (prefill, plain decode), "full" (a drafter block) or "tree" (a DDTree
+verify, ``tree_mask[i, q, k]``). Everything the kernels read is a tensor, so a context built
+from static buffers can be replayed by a CUDA graph; the host ints (``max_queries``,
+``max_keys``) only size grids and the reference path's padding.
+"""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
+
+MASKS = ("causal", "full", "tree")
 
 
 def slots_for(block_tables: torch.Tensor, positions: torch.Tensor, block_size: int) -> torch.Tensor:
@@ -19,64 +25,81 @@ def slots_for(block_tables: torch.Tensor, positions: torch.Tensor, block_size: i
 
 @dataclass
 class AttentionContext:
-    slot_mapping: torch.Tensor | None  # [T] cache slot of every new token (None: not stored)
-    key_slots: torch.Tensor            # [N, Kmax] cache slots of the keys each sequence sees
-    mask: torch.Tensor                 # [N, Qmax, Kmax(+Qmax)] bool: query may attend to key
-    query_rows: torch.Tensor           # [T] row of each flat query in the padded [N*Qmax] layout
-    num_seqs: int
-    max_queries: int
+    block_tables: torch.Tensor         # [N, W] blocks of every sequence
+    cached_lens: torch.Tensor          # [N] keys before the new tokens
+    query_start: torch.Tensor          # [N+1] offsets of each sequence's new tokens in the batch
+    slot_mapping: torch.Tensor         # [T] cache slot of every new token
+    block_size: int
+    max_queries: int                   # host bound on new tokens per sequence
+    max_keys: int                      # host bound on cached + new tokens per sequence
+    mask: str = "causal"
+    tree_mask: torch.Tensor | None = None  # [N, max_queries, max_queries] bool, mask == "tree"
+    _dense: tuple | None = field(default=None, repr=False)
+
+    @property
+    def num_seqs(self) -> int:
+        return self.block_tables.shape[0]
 
     @classmethod
     def build(cls, block_tables: torch.Tensor, cached_lens: list[int], new_lens: list[int], block_size: int,
-              tree_mask: torch.Tensor | None = None, store: bool = True) -> "AttentionContext":
-        """block_tables [N, maxblocks] (on the target device). Sequence i has ``cached_lens[i]``
-        tokens cached (all visible) and ``new_lens[i]`` new tokens at the next positions.
-        store=True: new tokens are written to their slots and are keys too (causal among
-        themselves, or ``tree_mask[i]`` [T, T]). store=False (drafter blocks): nothing is written;
-        the caller appends the block's K/V after the cached keys and they see each other fully."""
+              mask: str = "causal", tree_mask: torch.Tensor | None = None) -> "AttentionContext":
+        """From host lengths (prefill chunks and eager steps)."""
         device = block_tables.device
-        N, q_max = len(new_lens), max(new_lens)
-        cached = torch.tensor(cached_lens, device=device)[:, None]
-        new = torch.tensor(new_lens, device=device)[:, None]
-        k_max = max(max(c + (n if store else 0) for c, n in zip(cached_lens, new_lens)), 1)
-        key_pos = torch.arange(k_max, device=device)[None, :]
-        key_slots = slots_for(block_tables, key_pos.expand(N, k_max), block_size)
-        q = torch.arange(q_max, device=device)[None, :, None]             # [1, Q, 1]
-        visible_cached = (key_pos < cached)[:, None, :]                    # [N, 1, K]
-        if store:
-            rel = key_pos[:, None, :] - cached[:, :, None]                 # key offset among new tokens
-            is_new = (rel >= 0) & (rel < new[:, :, None])
-            if tree_mask is not None:
-                T = tree_mask.shape[-1]
-                idx = rel.clamp(0, T - 1).expand(N, q_max, k_max)
-                allowed = torch.gather(tree_mask[:, :q_max], 2, idx)
-            else:
-                allowed = rel <= q
-            mask = visible_cached | (is_new & allowed)
-        else:
-            mask = torch.cat([visible_cached.expand(N, q_max, k_max),
-                              torch.ones(N, q_max, q_max, dtype=torch.bool, device=device)], 2)
-        pad = q >= new[:, :, None]                                         # padded query rows
-        mask = mask | (pad & (torch.arange(mask.shape[2], device=device) == 0))
-        mask = mask & ~(pad & (torch.arange(mask.shape[2], device=device) != 0))
-        if all(n == q_max for n in new_lens):
-            rows = torch.arange(N * q_max, device=device)
-        else:
-            rows = (torch.arange(N, device=device)[:, None] * q_max + q[0, :, 0][None, :])[q[0, :, 0][None, :] < new]
-        slot_mapping = None
-        if store:
-            new_pos = (cached + q[0, :, 0][None, :])                       # [N, Q]
-            slot_mapping = slots_for(block_tables, new_pos, block_size)[q[0, :, 0][None, :] < new]
-        return cls(slot_mapping=slot_mapping, key_slots=key_slots, mask=mask, query_rows=rows,
-                   num_seqs=N, max_queries=q_max)
+        starts = [0]
+        for n in new_lens:
+            starts.append(starts[-1] + n)
+        cached = torch.tensor(cached_lens, device=device)
+        new = torch.tensor(new_lens, device=device)
+        q_max = max(new_lens)
+        q = torch.arange(q_max, device=device)[None, :]
+        slots = slots_for(block_tables, cached[:, None] + q, block_size)[q < new[:, None]]
+        return cls(block_tables, cached, torch.tensor(starts, device=device), slots, block_size, q_max,
+                   max(c + n for c, n in zip(cached_lens, new_lens)), mask, tree_mask)
+
+    @classmethod
+    def uniform(cls, block_tables: torch.Tensor, cached_lens: torch.Tensor, num_new: int, block_size: int,
+                max_keys: int, mask: str = "causal", tree_mask: torch.Tensor | None = None) -> "AttentionContext":
+        """Every sequence adds ``num_new`` tokens; no host reads (CUDA-graph safe)."""
+        N, device = block_tables.shape[0], block_tables.device
+        q = torch.arange(num_new, device=device)
+        slots = slots_for(block_tables, cached_lens[:, None] + q[None, :], block_size).reshape(-1)
+        starts = torch.arange(N + 1, device=device) * num_new
+        return cls(block_tables, cached_lens, starts, slots, block_size, num_new, max_keys, mask, tree_mask)
 
     @classmethod
     def contiguous(cls, lengths: list[int], device=None) -> "AttentionContext":
         """Causal attention over fresh sequences stored back to back in slots 0..sum-1
         (full forwards in tests and training; the cache needs sum(lengths) slots)."""
         bs = max(lengths)
-        tables = torch.tensor([[i] for i in range(len(lengths))], device=device)
+        tables = torch.arange(len(lengths), device=device)[:, None]
         ctx = cls.build(tables, [0] * len(lengths), lengths, bs)
-        offsets = torch.tensor([i * bs for i in range(len(lengths))], device=device)
-        ctx.slot_mapping = torch.cat([torch.arange(n, device=device) + offsets[i] for i, n in enumerate(lengths)])
+        ctx.slot_mapping = torch.cat([torch.arange(n, device=device) + i * bs for i, n in enumerate(lengths)])
         return ctx
+
+    def dense(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(key_slots [N, K], allowed [N, Q, K], query_rows [T]) for the padded reference path;
+        built once per forward and shared by the layers."""
+        if self._dense is None:
+            device = self.block_tables.device
+            N, Q, K = self.num_seqs, self.max_queries, max(self.max_keys, 1)
+            key_pos = torch.arange(K, device=device)[None, :]
+            key_slots = slots_for(self.block_tables, key_pos.expand(N, K), self.block_size)
+            new = (self.query_start[1:] - self.query_start[:-1])[:, None, None]
+            cached = self.cached_lens[:, None, None]
+            q = torch.arange(Q, device=device)[None, :, None]
+            rel = key_pos[:, None, :] - cached                             # offset among new tokens
+            is_new = (rel >= 0) & (rel < new)
+            if self.mask == "tree":
+                idx = rel.clamp(0, Q - 1).expand(N, Q, K)
+                among_new = torch.gather(self.tree_mask[:, :Q, :Q], 2, idx)
+            elif self.mask == "full":
+                among_new = torch.ones_like(is_new)
+            else:
+                among_new = rel <= q
+            allowed = (rel < 0) | (is_new & among_new)
+            valid_q = q < new
+            # Padded query rows see key 0 only, so softmax stays finite; their output is dropped.
+            allowed = torch.where(valid_q, allowed, key_pos[:, None, :] == 0)
+            rows = (torch.arange(N, device=device)[:, None] * Q + q[0, :, 0][None, :])[valid_q[:, :, 0]]
+            self._dense = (key_slots, allowed, rows)
+        return self._dense

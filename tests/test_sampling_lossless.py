@@ -117,13 +117,11 @@ def test_wrong_acceptance_rule_is_detected(tiny, reference, monkeypatch):
     tests must reject it."""
     exact, ar_samples = reference
 
-    def argmax_walk(self, seqs, tree, logits):
-        p = [s.params for s in seqs]
-        samples = sample_from_logits(logits, torch.tensor([x.temperature for x in p]),
-                                     torch.tensor([x.top_k for x in p]), torch.tensor([x.top_p for x in p]))
+    def argmax_walk(self, kind, inp, tree, logits, ancestors, generators):
+        samples = sample_from_logits(logits, inp.temperature, inp.top_k, inp.top_p, generators)
         path, num, _ = accept_walk(tree.tokens, tree.parents, tree.depths, logits.argmax(-1), tree.max_depth)
-        bonus = gather_rows(samples, path)[torch.arange(len(seqs)), num - 1]
-        return runner_mod.Accepted(path, num, bonus)
+        bonus = gather_rows(samples, path)[torch.arange(path.shape[0]), num - 1]
+        return path, num, bonus
 
     monkeypatch.setattr(runner_mod.ModelRunner, "accept", argmax_walk)
     samples, _ = sample(tiny, "ddtree", seed=2)

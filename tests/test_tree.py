@@ -444,8 +444,8 @@ def test_accept_walk_matches_loop(follow, budget):
             if kids and torch.rand(1, generator=g).item() < follow:
                 c = kids[torch.randint(0, len(kids), (1,), generator=g).item()]
                 samples[i, node] = tf[i, c]
-    for max_depth in (d, d + 2):
-        path, num, bonus = accept_walk(tf, pf, df, samples, max_depth)
+    for max_depth, ancestors in [(d, None), (d + 2, None), (d, ancestor_mask(pf, d)), (d + 2, ancestor_mask(pf, d))]:
+        path, num, bonus = accept_walk(tf, pf, df, samples, max_depth, ancestors)
         assert path.shape == (n, max_depth + 1) and num.shape == bonus.shape == (n,)
         for i in range(n):
             want_path, want_num, want_bonus = python_walk(

@@ -16,22 +16,34 @@ from pathlib import Path
 from ddtree.engine.sampling_params import SamplingParams
 
 
-def parse_methods(text: str) -> list[tuple[str, int]]:
+def parse_methods(text: str) -> list[tuple[str, int | str]]:
     out = []
     for item in text.split(","):
         name, _, budget = item.strip().partition(":")
+        if name == "auto":
+            out.append(("ddtree", "auto"))
+            continue
         if name not in ("ar", "dflash", "ddtree"):
-            raise ValueError(f"--methods: unknown method {name!r} (ar, dflash, ddtree:B)")
+            raise ValueError(f"--methods: unknown method {name!r} (ar, dflash, ddtree:B, auto)")
         if name == "ddtree" and not budget.isdigit():
             raise ValueError(f"--methods: ddtree needs a budget, e.g. ddtree:32 (got {item!r})")
         out.append((name, int(budget) if name == "ddtree" else 0))
     return out
 
 
+def label(method: str, budget) -> str:
+    if budget == "auto":
+        return "auto"
+    return method if method != "ddtree" else f"ddtree B={budget}"
+
+
 def run_closed_loop(llm, prompt_ids, method, budget, temperature, max_tokens, concurrency) -> dict:
     engine = llm.engine
-    timer = engine.runner.timer
-    timer.totals.clear()
+    runner = engine.runner
+    runner.timer.totals.clear()
+    runner.stage_seconds.clear()
+    calls0 = runner.decode_calls
+    engine.step_choices.clear()
     pending = list(prompt_ids)
     in_flight, done = [], []
     start = time.perf_counter()
@@ -39,7 +51,7 @@ def run_closed_loop(llm, prompt_ids, method, budget, temperature, max_tokens, co
     while pending or in_flight:
         while pending and len(in_flight) < concurrency:
             seq = engine.add_request(pending.pop(0), SamplingParams(temperature=temperature, max_tokens=max_tokens,
-                                                                    ignore_eos=True, seed=len(done)),
+                                                                    ignore_eos=True),
                                      method=method, budget=budget)
             started[seq.seq_id] = time.perf_counter()
             in_flight.append(seq)
@@ -54,29 +66,46 @@ def run_closed_loop(llm, prompt_ids, method, budget, temperature, max_tokens, co
     wall = time.perf_counter() - start
     tokens = sum(s.num_output_tokens for s, _ in done)
     lengths = [n for s, _ in done for n in s.metrics.accepted_lengths]
+    split = {**runner.timer.totals, **runner.stage_seconds}
+    split["other"] = max(0.0, wall - sum(split.values()))  # host: scheduling, inputs, bookkeeping
     return {"wall_s": wall, "tokens": tokens, "tokens_per_s": tokens / wall,
             "per_request_tokens_per_s": statistics.median(s.num_output_tokens / t for s, t in done),
             "tau": sum(lengths) / len(lengths), "verify_steps": len(lengths),
-            "split_s": dict(timer.totals)}
+            "engine_decode_steps": runner.decode_calls - calls0,
+            "split_s": split, "auto_choices": {f"{m}:{b}": k for (m, b), k in engine.step_choices.items()}}
 
 
 def bench(llm, prompts: dict[str, list[list[int]]], methods, concurrency, temperatures, max_tokens,
-          repeats: int) -> list[dict]:
+          repeats: int, per_run=lambda c: max(4, 2 * c), on_row=None) -> list[dict]:
+    """per_run(c): prompts in one closed-loop run at concurrency c; on_row(rows) after each row
+    (the CLI saves partial results, so a cut-off run still leaves data)."""
     rows = []
     for name, ids in prompts.items():
         for t in temperatures:
             for c in concurrency:
-                # Warm-up (allocations, kernels), then repeats; medians are reported.
-                run_closed_loop(llm, ids[:max(1, c)], "ar", 0, t, min(4, max_tokens), c)
                 for method, budget in methods:
-                    runs = [run_closed_loop(llm, ids, method, budget, t, max_tokens, c) for _ in range(repeats)]
+                    # Warm-up (kernels, CUDA-graph captures for every batch size the run drains
+                    # through, auto's first tries), then repeats; the median is reported.
+                    run_closed_loop(llm, ids[:c], method, budget, t, 16, c)
+                    batch = ids[:max(per_run(c), c)]
+                    runs = [run_closed_loop(llm, batch, method, budget, t, max_tokens, c) for _ in range(repeats)]
                     best = sorted(runs, key=lambda r: r["tokens_per_s"])[len(runs) // 2]
+                    # One more run with per-stage graphs and events (fixed methods: auto's steps are
+                    # the fixed methods' steps, and its per-stage graphs would be captured mid-run).
+                    if llm.engine.runner.use_graphs and budget != "auto":
+                        llm.engine.runner.profile_stages = True
+                        run_closed_loop(llm, ids[:c], method, budget, t, 16, c)  # captures
+                        prof = run_closed_loop(llm, batch, method, budget, t, max_tokens, c)
+                        best["split_s"], best["split_steps"] = prof["split_s"], prof["engine_decode_steps"]
+                        llm.engine.runner.profile_stages = False
                     row = {"dataset": name, "temperature": t, "concurrency": c, "method": method,
                            "budget": budget, "repeats": repeats,
                            "tokens_per_s_runs": [r["tokens_per_s"] for r in runs], **best}
                     rows.append(row)
-                    print(f"{name:9s} T={t:g} c={c:3d} {method:6s} B={budget:3d} {row['tokens_per_s']:8.1f} tok/s "
-                          f"tau={row['tau']:.2f}", flush=True)
+                    if on_row:
+                        on_row(rows)
+                    print(f"{name:9s} T={t:g} c={c:3d} {label(method, budget):13s} {row['tokens_per_s']:9.1f} tok/s "
+                          f"tau={row['tau']:.2f} {row['auto_choices'] if budget == 'auto' else ''}", flush=True)
                 ar = next((r for r in rows[-len(methods):] if r["method"] == "ar"), None)
                 for r in rows[-len(methods):]:
                     r["speedup_vs_ar"] = r["tokens_per_s"] / ar["tokens_per_s"] if ar else None
@@ -88,32 +117,32 @@ def plot(rows: list[dict], png: str | Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    label = lambda r: r["method"] if r["method"] != "ddtree" else f"ddtree B={r['budget']}"  # noqa: E731
     first = (rows[0]["dataset"], rows[0]["temperature"])
     sel = [r for r in rows if (r["dataset"], r["temperature"]) == first]
     fig, axes = plt.subplots(1, 3, figsize=(17, 4.5))
-    for lab in dict.fromkeys(label(r) for r in sel):
-        pts = sorted((r["concurrency"], r["tokens_per_s"]) for r in sel if label(r) == lab)
+    for lab in dict.fromkeys(label(r["method"], r["budget"]) for r in sel):
+        pts = sorted((r["concurrency"], r["tokens_per_s"]) for r in sel if label(r["method"], r["budget"]) == lab)
         axes[0].plot([c for c, _ in pts], [v for _, v in pts], "o-", label=lab)
     axes[0].set(xscale="log", xlabel="concurrency", ylabel="output tokens/s", title=f"{first[0]} T={first[1]:g}")
     axes[0].legend()
     c0 = min(r["concurrency"] for r in sel)
     tree = sorted((r["budget"], r["tau"], r["speedup_vs_ar"] or 0) for r in sel
-                  if r["method"] == "ddtree" and r["concurrency"] == c0)
+                  if r["method"] == "ddtree" and r["budget"] != "auto" and r["concurrency"] == c0)
     if tree:
         axes[1].plot([b for b, _, _ in tree], [t for _, t, _ in tree], "o-", label="tau")
         axes[1].plot([b for b, _, _ in tree], [s for _, _, s in tree], "s--", label="speedup vs AR")
         axes[1].set(xscale="log", xlabel="budget", title=f"DDTree at concurrency {c0}")
         axes[1].legend()
-    stages = ["prefill", "draft", "build", "verify", "accept", "commit"]
+    stages = ["prefill", "draft", "build", "verify", "accept", "commit", "other"]
     bars = [r for r in sel if r["concurrency"] == c0]
     bottom = [0.0] * len(bars)
     for st in stages:
-        vals = [r["split_s"].get(st, 0.0) / max(1, r["verify_steps"]) * 1e3 for r in bars]
+        vals = [r["split_s"].get(st, 0.0) / max(1, r.get("split_steps", r["engine_decode_steps"])) * 1e3
+                for r in bars]
         axes[2].bar(range(len(bars)), vals, bottom=bottom, label=st)
         bottom = [b + v for b, v in zip(bottom, vals)]
-    axes[2].set_xticks(range(len(bars)), [label(r) for r in bars], rotation=30)
-    axes[2].set(ylabel="ms per verify step", title=f"step-time split, concurrency {c0}")
+    axes[2].set_xticks(range(len(bars)), [label(r["method"], r["budget"]) for r in bars], rotation=30)
+    axes[2].set(ylabel="ms per engine step", title=f"step-time split, concurrency {c0}")
     axes[2].legend()
     fig.tight_layout()
     fig.savefig(png, dpi=110)
@@ -125,11 +154,12 @@ def main(argv=None) -> int:
 
     p = argparse.ArgumentParser(prog="ddtree bench", description=__doc__)
     add_engine_args(p)
-    p.add_argument("--methods", default="ar,dflash,ddtree:16,ddtree:32,ddtree:64")
+    p.add_argument("--methods", default="ar,dflash,ddtree:16,ddtree:32,ddtree:64,ddtree:128,auto")
     p.add_argument("--concurrency", default="1,4,16,64")
     p.add_argument("--temperatures", default="0,1")
     p.add_argument("--datasets", default="humaneval,mtbench")
-    p.add_argument("--num-prompts", type=int, default=None, help="prompts per run (default: 4 x max concurrency)")
+    p.add_argument("--num-prompts", type=int, default=None,
+                   help="prompts per dataset (default 2 x max concurrency); a run at concurrency c uses max(4, 2c)")
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--prompts-json", default=None, help="exported eval prompts (ddtree eval-drafter --export-prompts)")
@@ -139,31 +169,42 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     if args.quick:
         args.device = args.device or "cpu"
-        args.methods, args.concurrency, args.temperatures = "ar,dflash,ddtree:8", "1,2", "0"
+        args.methods, args.concurrency, args.temperatures = "ar,dflash,ddtree:8,auto", "1,2", "0"
         args.datasets, args.num_prompts, args.max_tokens, args.repeats = "mtbench", 2, 8, 1
+        args.max_budget = 8
     methods = parse_methods(args.methods)
     concurrency = [int(c) for c in args.concurrency.split(",")]
-    budget = max([b for _, b in methods] + [args.budget])
-    llm = LLM(target=args.target, drafter=args.drafter, method="ddtree", budget=budget, device=args.device,
-              dtype=args.dtype, max_model_len=args.max_model_len, max_num_seqs=max(concurrency),
-              max_num_batched_tokens=args.max_num_batched_tokens, kv_cache_gb=args.kv_cache_gb)
+    temps = [float(t) for t in args.temperatures.split(",")]
+    fixed = [b for _, b in methods if b != "auto"]
+    cap = max(fixed + [args.max_budget])
+    llm = LLM(target=args.target, drafter=args.drafter, method="ddtree", budget="auto", max_budget=cap,
+              device=args.device, dtype=args.dtype, max_model_len=args.max_model_len,
+              max_num_seqs=max(concurrency), max_num_batched_tokens=args.max_num_batched_tokens,
+              kv_cache_gb=args.kv_cache_gb, cuda_graphs=not args.no_cuda_graphs)
+    t0 = time.perf_counter()
+    prior = llm.engine.profile_auto(sampling=any(t > 0 for t in temps))
+    if prior:
+        print(f"auto: start-up cost curve for {len(prior)} (bucket, candidate) pairs in {time.perf_counter() - t0:.1f} s")
     if args.prompts_json:
         convs = json.loads(Path(args.prompts_json).read_text())
     else:
         from ddtree.bench.eval_drafter import eval_conversations
         convs = eval_conversations()
-    n = args.num_prompts or 4 * max(concurrency)
+    n = max(max(4, 2 * c) for c in concurrency) if args.num_prompts is None else args.num_prompts
     prompts = {d: [llm.apply_chat_template(c) for c in convs[d][:n]] for d in args.datasets.split(",")}
-    rows = bench(llm, prompts, methods, concurrency, [float(t) for t in args.temperatures.split(",")],
-                 args.max_tokens, args.repeats)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
     meta = {"device": str(llm.device), "dtype": str(llm.dtype), "target": str(llm.target_dir),
-            "max_tokens": args.max_tokens, "prompts_per_run": n, "quick": args.quick}
+            "max_tokens": args.max_tokens, "prompts_per_run": n, "quick": args.quick,
+            "cuda_graphs": llm.engine.runner.use_graphs,
+            "auto_cost_prior_s": {f"{b}:{m}:{k}": v for (b, (m, k)), v in prior.items()}}
     if llm.device.type == "cuda":
         import torch
         meta["gpu"] = torch.cuda.get_device_name()
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"meta": meta, "results": rows}, indent=1))
+    save = lambda rows: out.write_text(json.dumps({"meta": meta, "results": rows}, indent=1))  # noqa: E731
+    rows = bench(llm, prompts, methods, concurrency, temps, args.max_tokens, args.repeats,
+                 per_run=lambda c: min(n, max(4, 2 * c)), on_row=save)
+    save(rows)
     plot(rows, args.png or out.with_suffix(".png"))
     print(f"wrote {out}")
     return 0

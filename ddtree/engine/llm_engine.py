@@ -2,12 +2,15 @@
 from __future__ import annotations
 
 import logging
+import time
+from collections import Counter
 from dataclasses import dataclass
 
 import torch
 
+from ddtree.engine.auto_budget import AutoBudget, auto_candidates
 from ddtree.engine.block_manager import BlockManager
-from ddtree.engine.runner import METHODS, ModelRunner
+from ddtree.engine.runner import GRAPH_BUCKETS, METHODS, ModelRunner
 from ddtree.engine.sampling_params import SamplingParams
 from ddtree.engine.scheduler import Scheduler
 from ddtree.engine.sequence import Sequence, SequenceMetrics
@@ -31,18 +34,23 @@ class RequestOutput:
 @dataclass
 class EngineConfig:
     method: str = "ddtree"
-    budget: int = 32
+    budget: int | str = "auto"   # node budget of a DDTree, or "auto" (chosen per step)
+    max_budget: int = 128        # largest tree "auto" (or a request) may use
     max_model_len: int = 2048
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     kv_cache_gb: float = 1.0
     block_size: int = 16
+    cuda_graphs: bool = True
 
     def validate(self) -> None:
         if self.method not in METHODS:
             raise ValueError(f"method must be one of {METHODS}, got {self.method!r}")
-        if isinstance(self.budget, bool) or not isinstance(self.budget, int) or self.budget < 0:
-            raise ValueError(f"budget must be an integer >= 0, got {self.budget!r}")
+        if self.budget != "auto" and (isinstance(self.budget, bool) or not isinstance(self.budget, int)
+                                      or self.budget < 0):
+            raise ValueError(f"budget must be an integer >= 0 or 'auto', got {self.budget!r}")
+        if isinstance(self.max_budget, bool) or not isinstance(self.max_budget, int) or self.max_budget < 1:
+            raise ValueError(f"max_budget must be a positive integer, got {self.max_budget!r}")
         for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "block_size"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
@@ -68,8 +76,14 @@ class LLMEngine:
         num_blocks = int(config.kv_cache_gb * 2**30 // (bytes_per_slot * config.block_size))
         self.blocks = BlockManager(num_blocks, config.block_size)
         self.drafter = drafter if config.method != "ar" else None
-        self.runner = ModelRunner(target, self.drafter, self.blocks, device, dtype)
-        need = self.max_model_len + max(self.runner.lookahead(m, config.budget) for m in self._methods())
+        self.budget_cap = config.max_budget if config.budget == "auto" else config.budget
+        max_lookahead = max(ModelRunner.lookahead_for(m, self.budget_cap, drafter) for m in self._methods())
+        self.runner = ModelRunner(target, self.drafter, self.blocks, device, dtype, self.max_model_len,
+                                  max_lookahead, config.cuda_graphs)
+        self.auto = AutoBudget(auto_candidates(self.budget_cap, self.drafter is not None),
+                               lambda n: next((b for b in GRAPH_BUCKETS if b >= n), n))
+        self.step_choices: Counter = Counter()  # (method, budget) run for auto requests
+        need = self.max_model_len + max_lookahead
         if num_blocks * config.block_size < need:
             raise ValueError(f"kv_cache_gb={config.kv_cache_gb} holds {num_blocks * config.block_size} tokens, "
                              f"fewer than one request of max_model_len {self.max_model_len} needs ({need})")
@@ -123,11 +137,16 @@ class LLMEngine:
             raise ValueError(f"method must be one of {METHODS}, got {method!r}")
         if method not in self._methods():
             raise ValueError(f"method {method!r} needs a drafter; this engine runs without one")
-        if isinstance(budget, bool) or not isinstance(budget, int) or not 0 <= budget <= self.config.budget:
-            raise ValueError(f"budget must be an integer in [0, {self.config.budget}] (the engine's budget), "
-                             f"got {budget!r}")
+        if budget != "auto" and (isinstance(budget, bool) or not isinstance(budget, int)
+                                 or not 0 <= budget <= self.budget_cap):
+            raise ValueError(f"budget must be 'auto' or an integer in [0, {self.budget_cap}] (the engine's "
+                             f"largest budget), got {budget!r}")
+        if budget == "auto" and method != "ddtree":
+            budget = 0  # "auto" chooses among trees; the other methods have no budget
         seq = Sequence(prompt_token_ids, params, prompt=prompt, request_id=request_id,
                        method=method, budget=budget)
+        if self.tokenizer is not None:
+            seq.decode_fn = lambda ids: self.tokenizer.decode(ids, skip_special_tokens=True)
         self.seqs[seq.request_id] = seq
         self.scheduler.add(seq)
         return seq
@@ -144,18 +163,19 @@ class LLMEngine:
     # ---- stepping ----------------------------------------------------------------------------
     def step(self) -> list[Sequence]:
         """Run one prefill or decode step; returns the sequences that made progress."""
-        kind, seqs, chunks = self.scheduler.schedule(lambda s: self.runner.lookahead(s.method, s.budget))
+        kind, seqs, chunks = self.scheduler.schedule(
+            lambda s: self.runner.lookahead(s.method, self.budget_cap if s.budget == "auto" else s.budget))
         if kind == "prefill":
             self.runner.prefill(seqs, chunks)
             return []
         if kind == "idle":
             return []
-        groups: dict[tuple[str, int], list[Sequence]] = {}
+        groups: dict[tuple[str, int | str], list[Sequence]] = {}
         for seq in seqs:  # one verify pass per speculative setting
             groups.setdefault((seq.method, seq.budget), []).append(seq)
         committed = {}
         for (method, budget), group in groups.items():
-            committed.update(zip((s.seq_id for s in group), self.runner.decode(group, method, budget)))
+            committed.update(zip((s.seq_id for s in group), self._decode(group, method, budget)))
         for seq in seqs:
             tokens = committed[seq.seq_id]
             self._append(seq, tokens)
@@ -163,6 +183,34 @@ class LLMEngine:
                 self.scheduler.finish(seq)
                 self.seqs.pop(seq.request_id, None)
         return seqs
+
+    def _decode(self, group: list[Sequence], method: str, budget) -> list[list[int]]:
+        if budget != "auto":
+            return self.runner.decode(group, method, budget)
+        method, budget = cand = self.auto.choose(len(group))
+        self.step_choices[cand] += 1
+        graphs_before = len(self.runner.graphs)
+        t0 = time.perf_counter()
+        out = self.runner.decode(group, method, budget, store_context=True)
+        seconds = time.perf_counter() - t0
+        if len(self.runner.graphs) == graphs_before:  # a capture is not a step's cost
+            self.auto.observe(len(group), cand, seconds, sum(map(len, out)) / len(group))
+        return out
+
+    def profile_auto(self, batch_sizes=None, sampling: bool = False) -> dict:
+        """Start-up cost curve for ``budget="auto"``: capture every candidate's step graph for the
+        batch buckets and time its replay (CUDA only; elsewhere costs come from real steps).
+        sampling=True also captures the graphs sampled batches use, so no capture stalls a step."""
+        if not self.runner.use_graphs:
+            return {}
+        top = self.auto.bucket_of(self.config.max_num_seqs)
+        for n in batch_sizes or [b for b in GRAPH_BUCKETS if b <= top]:
+            bucket = self.auto.bucket_of(n)
+            for cand in self.auto.candidates:
+                self.auto.prior[(bucket, cand)] = self.runner.time_graph(*cand, bucket, greedy=True)
+                if sampling:
+                    self.runner.time_graph(*cand, bucket, greedy=False, reps=1)
+        return dict(self.auto.prior)
 
     def _append(self, seq: Sequence, tokens: list[int]) -> None:
         """Commit tokens one by one, stopping at the first stop condition (never past max_tokens)."""
@@ -179,13 +227,13 @@ class LLMEngine:
                 break
         seq.metrics.num_verify_steps += 1
         seq.metrics.accepted_lengths.append(added)
-        if self.tokenizer is not None:
+        if self.tokenizer is not None and seq.params.stop:
             self._detokenize(seq)
         if seq.finish_reason:
             seq.status = seq.status.FINISHED
 
     def _detokenize(self, seq: Sequence) -> None:
-        text = self.tokenizer.decode(seq.output_token_ids, skip_special_tokens=True)
+        text = seq.text
         stops = seq.params.stop
         if stops:
             hits = [text.find(s) for s in stops if s in text]

@@ -47,9 +47,21 @@ class Sequence:
         self.block_table: list[int] = []
         self.finish_reason: str | None = None
         self.error: str | None = None
-        self.text = ""
+        self._text, self._text_for = "", 0
+        self.decode_fn = None  # token ids -> text; set by the engine when it has a tokenizer
         self.metrics = SequenceMetrics()
         self.generator: torch.Generator | None = None  # made on the model's device at first use
+
+    @property
+    def text(self) -> str:
+        """Output text, decoded on demand (a step only decodes when stop strings need it)."""
+        if self._text_for != len(self.token_ids) and self.decode_fn is not None:
+            self._text, self._text_for = self.decode_fn(self.output_token_ids), len(self.token_ids)
+        return self._text
+
+    @text.setter
+    def text(self, value: str) -> None:
+        self._text, self._text_for = value, len(self.token_ids)
 
     def __len__(self) -> int:
         return len(self.token_ids)

@@ -12,8 +12,7 @@ import torch
 from torch import nn
 
 from ddtree.context import AttentionContext
-from ddtree.kernels.attention import paged_attention, store_kv
-from ddtree.models.layers import RMSNorm, ResidualBlock, Rotary, apply_rotary
+from ddtree.models.layers import QKVProjection, RMSNorm, ResidualBlock, Rotary, add_rms_norm
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
 
@@ -70,43 +69,15 @@ class ModelConfig:
         return d
 
 
-class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig):
-        super().__init__()
-        self.heads, self.kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-        bias = cfg.attention_bias
-        self.q_proj = nn.Linear(cfg.hidden_size, self.heads * self.head_dim, bias=bias)
-        self.k_proj = nn.Linear(cfg.hidden_size, self.kv_heads * self.head_dim, bias=bias)
-        self.v_proj = nn.Linear(cfg.hidden_size, self.kv_heads * self.head_dim, bias=bias)
-        self.o_proj = nn.Linear(self.heads * self.head_dim, cfg.hidden_size, bias=False)
-        if cfg.qk_norm:
-            self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
-            self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
-        else:
-            self.q_norm = self.k_norm = None
-        self.scale = self.head_dim ** -0.5
-
-    def forward(self, x, cos, sin, kv_cache, ctx: AttentionContext):
-        T = x.shape[0]
-        q = self.q_proj(x).view(T, self.heads, self.head_dim)
-        k = self.k_proj(x).view(T, self.kv_heads, self.head_dim)
-        v = self.v_proj(x).view(T, self.kv_heads, self.head_dim)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        k_cache, v_cache = kv_cache
-        if ctx.slot_mapping is not None:
-            store_kv(k_cache, v_cache, k, v, ctx.slot_mapping)
-        o = paged_attention(q, k_cache, v_cache, ctx, self.scale)
-        return self.o_proj(o.reshape(T, -1))
-
-
 class Backbone(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(ResidualBlock(Attention(cfg), cfg.hidden_size, cfg.intermediate_size, cfg.rms_norm_eps)
-                                    for _ in range(cfg.num_hidden_layers))
+        self.layers = nn.ModuleList(
+            ResidualBlock(QKVProjection(cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads,
+                                        cfg.head_dim, cfg.attention_bias, cfg.qk_norm, cfg.rms_norm_eps),
+                          cfg.hidden_size, cfg.intermediate_size, cfg.rms_norm_eps)
+            for _ in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
@@ -126,20 +97,23 @@ class DecoderLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list,
                 ctx: AttentionContext, taps: tuple[int, ...] = ()) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Returns (final-normed hidden [T, H], concatenated tapped layer outputs [T, len(taps)*H])."""
-        x = self.embed(input_ids)
+        x, residual = self.embed(input_ids), None
         cos, sin = self.rotary.cos_sin(positions)
-        tapped = []
+        tapped = {}
         for i, layer in enumerate(self.model.layers):
-            x = layer(x, cos, sin, kv_caches[i], ctx)
+            x, residual = layer(x, residual, cos, sin, kv_caches[i], ctx)
             if i in taps:
-                tapped.append(x)
-        tap_out = None
-        if taps:
-            by_layer = dict(zip([i for i in range(len(self.model.layers)) if i in taps], tapped))
-            tap_out = torch.cat([by_layer[i] for i in taps], -1)
-        return self.model.norm(x), tap_out
+                tapped[i] = x + residual
+        tap_out = torch.cat([tapped[i] for i in taps], -1) if taps else None
+        return add_rms_norm(x, residual, self.model.norm)[0], tap_out
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """fp32 logits. On CUDA a bf16/fp16 GEMM accumulates into fp32 output directly: rounding
+        logits to bf16 would create exact ties that flip greedy choices between batch shapes."""
+        if hidden.is_cuda and hidden.dtype in (torch.bfloat16, torch.float16):
+            flat = hidden.reshape(-1, hidden.shape[-1])
+            out = torch.mm(flat, self.lm_head.weight.t(), out_dtype=torch.float32)
+            return out.view(*hidden.shape[:-1], -1)
         return self.lm_head(hidden).float()
 
     def kv_shape(self) -> tuple[int, int, int]:

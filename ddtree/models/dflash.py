@@ -18,9 +18,8 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from ddtree.context import AttentionContext
-from ddtree.kernels.attention import block_attention, store_kv
 from ddtree.models.decoder import ModelConfig
-from ddtree.models.layers import RMSNorm, ResidualBlock, Rotary, apply_rotary
+from ddtree.models.layers import QKVProjection, RMSNorm, ResidualBlock, Rotary, add_rms_norm
 
 
 @dataclass
@@ -109,38 +108,14 @@ def default_tap_layers(num_target_layers: int, num_taps: int) -> list[int]:
     return sorted({round(lo + (hi - lo) * i / (num_taps - 1)) for i in range(num_taps)})
 
 
-class DFlashAttention(nn.Module):
-    def __init__(self, cfg: DFlashConfig):
-        super().__init__()
-        self.heads, self.kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-        self.q_proj = nn.Linear(cfg.hidden_size, self.heads * self.head_dim, bias=False)
-        self.k_proj = nn.Linear(cfg.hidden_size, self.kv_heads * self.head_dim, bias=False)
-        self.v_proj = nn.Linear(cfg.hidden_size, self.kv_heads * self.head_dim, bias=False)
-        self.o_proj = nn.Linear(self.heads * self.head_dim, cfg.hidden_size, bias=False)
-        self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
-        self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
-        self.scale = self.head_dim ** -0.5
-
-    def kv(self, x, cos, sin):
-        T = x.shape[0]
-        k = self.k_norm(self.k_proj(x).view(T, self.kv_heads, self.head_dim))
-        v = self.v_proj(x).view(T, self.kv_heads, self.head_dim)
-        return apply_rotary(k, cos, sin), v
-
-    def forward(self, x, cos, sin, kv_cache, ctx):
-        T = x.shape[0]
-        q = apply_rotary(self.q_norm(self.q_proj(x).view(T, self.heads, self.head_dim)), cos, sin)
-        k, v = self.kv(x, cos, sin)
-        o = block_attention(q, k, v, kv_cache[0], kv_cache[1], ctx, self.scale)
-        return self.o_proj(o.reshape(T, -1))
-
-
 class DFlashDrafter(nn.Module):
     def __init__(self, cfg: DFlashConfig, learned_mask: bool = False):
         super().__init__()
         self.config = cfg
         self.layers = nn.ModuleList(
-            ResidualBlock(DFlashAttention(cfg), cfg.hidden_size, cfg.intermediate_size, cfg.rms_norm_eps)
+            ResidualBlock(QKVProjection(cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads,
+                                        cfg.head_dim, False, True, cfg.rms_norm_eps),
+                          cfg.hidden_size, cfg.intermediate_size, cfg.rms_norm_eps)
             for _ in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.fc = nn.Linear(len(cfg.target_layer_ids) * cfg.hidden_size, cfg.hidden_size, bias=False)
@@ -166,9 +141,8 @@ class DFlashDrafter(nn.Module):
         """Project committed tokens' tapped hidden states once and store their K/V in every layer."""
         c = self.hidden_norm(self.fc(taps.to(self.fc.weight.dtype)))
         cos, sin = self.rotary.cos_sin(positions)
-        for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
-            k, v = layer.self_attn.kv(c, cos, sin)
-            store_kv(k_cache, v_cache, k, v, slot_mapping)
+        for layer, kv_cache in zip(self.layers, kv_caches):
+            layer.self_attn.project_store(c, cos, sin, kv_cache, slot_mapping, with_queries=False)
 
     def block_embeddings(self, bonus: torch.Tensor, embed: nn.Embedding) -> torch.Tensor:
         """[N] bonus tokens -> [N*S, H] embeddings of [bonus, mask x (S-1)]."""
@@ -182,12 +156,13 @@ class DFlashDrafter(nn.Module):
 
     def forward(self, block_embeds: torch.Tensor, positions: torch.Tensor, kv_caches: list,
                 ctx: AttentionContext) -> torch.Tensor:
-        """Block hidden states [N*S, H] (final-normed); ctx.cached_slots name the context K/V."""
-        x = block_embeds.to(self.fc.weight.dtype)
+        """Block hidden states [N*S, H] (final-normed). ``ctx`` (mask "full") stores the block's K/V
+        after the context's, where the next commit overwrites the accepted ones."""
+        x, residual = block_embeds.to(self.fc.weight.dtype), None
         cos, sin = self.rotary.cos_sin(positions)
         for layer, kv_cache in zip(self.layers, kv_caches):
-            x = layer(x, cos, sin, kv_cache, ctx)
-        return self.norm(x)
+            x, residual = layer(x, residual, cos, sin, kv_cache, ctx)
+        return add_rms_norm(x, residual, self.norm)[0]
 
     # ---- checkpoint I/O (z-lab format) -------------------------------------------------------
     def save_pretrained(self, path: str | Path) -> None:

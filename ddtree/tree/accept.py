@@ -70,39 +70,55 @@ def filtered_probs(logits: torch.Tensor, temperature: torch.Tensor,
 
 def sample_from_logits(logits: torch.Tensor, temperature: torch.Tensor,
                        top_k: torch.Tensor, top_p: torch.Tensor,
-                       generators=None) -> torch.Tensor:
+                       generators=None, all_greedy: bool | None = None,
+                       use_filters: bool | None = None) -> torch.Tensor:
     """One target sample per node, LongTensor [N, T].
 
     Rows of requests with temperature <= 0 take the argmax (first max
-    index).  Others draw from ``filtered_probs``; request n uses
-    ``generators[n]`` (on the logits' device) when given, drawing all its T
-    rows in one ``torch.multinomial`` call so seeded requests reproduce.
+    index).  Others draw from ``filtered_probs`` by an exponential race
+    (argmax of p / E with E ~ Exp(1), the same law as multinomial) so no
+    host sync or data-dependent shape is involved and CUDA graphs can
+    capture it; request n uses ``generators[n]`` when given.
+    ``all_greedy`` / ``use_filters`` state what the caller knows about the
+    batch; None derives it from the parameters when they are CPU tensors.
     """
     N, T, V = logits.shape
     greedy_tok = torch.argmax(logits, dim=-1)
-    if _cpu_all(temperature <= 0):  # all greedy: skip the softmax entirely
+    if all_greedy is None:
+        all_greedy = _cpu_all(temperature <= 0)
+    if all_greedy:  # skip the softmax entirely
         return greedy_tok
-    probs = filtered_probs(logits, temperature, top_k, top_p)
+    if use_filters is None:
+        use_filters = not _filters_off(top_k, top_p, V)
+    if use_filters:
+        probs = filtered_probs(logits, temperature, top_k, top_p)
+    else:
+        probs = filtered_probs(logits, temperature, torch.zeros_like(top_k, device="cpu"),
+                               torch.ones_like(top_p, device="cpu"))
+    race = torch.empty_like(probs)
     if generators is None or all(g is None for g in generators):
-        sampled = torch.multinomial(probs.reshape(N * T, V), 1).reshape(N, T)
+        race.exponential_()
     else:
         if len(generators) != N:
             raise ValueError(f"need one generator slot per request: {len(generators)} != {N}")
-        sampled = torch.stack([
-            torch.multinomial(probs[n], 1, generator=generators[n]).squeeze(-1)
-            for n in range(N)
-        ])
+        for n, g in enumerate(generators):
+            race[n].exponential_(generator=g)
+    sampled = torch.argmax(probs / race.clamp_(min=torch.finfo(torch.float32).tiny), dim=-1)
     greedy = (temperature.to(logits.device) <= 0)[:, None]
     return torch.where(greedy, greedy_tok, sampled)
 
 
 def accept_walk(tokens_full: torch.Tensor, parents_full: torch.Tensor,
-                depths_full: torch.Tensor, samples: torch.Tensor, max_depth: int):
+                depths_full: torch.Tensor, samples: torch.Tensor, max_depth: int,
+                ancestors: torch.Tensor | None = None):
     """Longest accepted root path, vectorised, no host syncs.
 
-    alive[root] = True; alive[i] = alive[parent[i]] and tokens[i] ==
-    samples[parent[i]], propagated ``max_depth`` times.  Sibling tokens are
-    distinct so alive nodes form one chain; its deepest node ends the path.
+    A node is alive when it and every ancestor below the root match the
+    target's sample at their parent (tokens[i] == samples[parent[i]]).
+    Sibling tokens are distinct so alive nodes form one chain; its deepest
+    node ends the path.  With ``ancestors`` (the [N, T, T] ancestor mask of
+    the verify pass) this is a handful of batched ops; without it, parent
+    pointers are followed ``max_depth`` times.
 
     Returns ``(path [N, max_depth+1], num_accepted [N], bonus [N])``:
     path[n, k] = accepted node at depth k for k < num_accepted[n] (then the
@@ -112,24 +128,35 @@ def accept_walk(tokens_full: torch.Tensor, parents_full: torch.Tensor,
     N, T = tokens_full.shape
     device = tokens_full.device
     match = tokens_full == torch.gather(samples, 1, parents_full)
-    alive = torch.zeros(N, T, dtype=torch.bool, device=device)
-    alive[:, 0] = True
-    for _ in range(max_depth):
-        alive = match & torch.gather(alive, 1, parents_full)
-        alive[:, 0] = True  # the root matches nothing but is always accepted
+    match[:, 0] = True  # the root matches nothing but is always accepted
+    if ancestors is not None:
+        alive = ~(ancestors & ~match[:, None, :]).any(-1)
+    else:
+        alive = torch.zeros(N, T, dtype=torch.bool, device=device)
+        alive[:, 0] = True
+        for _ in range(max_depth):
+            alive = match & torch.gather(alive, 1, parents_full)
+            alive[:, 0] = True
 
     alive_depth = torch.where(alive, depths_full, torch.full_like(depths_full, -1))
     last_depth, last = alive_depth.max(dim=1)  # at most one alive node per depth
     num_accepted = last_depth + 1
 
-    # Ancestors of the last node: anc[:, i] is i steps above it.
-    anc = [last]
-    for _ in range(max_depth):
-        anc.append(torch.gather(parents_full, 1, anc[-1][:, None]).squeeze(1))
-    anc = torch.stack(anc, dim=1)  # [N, max_depth+1]
     k = torch.arange(max_depth + 1, device=device)
-    steps_up = (last_depth[:, None] - k[None, :]).clamp(min=0)  # past the end -> 0 = last
-    path = torch.gather(anc, 1, steps_up)
+    if ancestors is not None:
+        # The path is the last node's ancestor row; put each node at its depth.
+        on_path = torch.gather(ancestors, 1, last[:, None, None].expand(N, 1, T)).squeeze(1)
+        slot = torch.where(on_path, depths_full, torch.full_like(depths_full, max_depth + 1))
+        nodes = torch.arange(T, device=device).expand(N, T)
+        path = torch.zeros(N, max_depth + 2, dtype=torch.long, device=device).scatter_(1, slot, nodes)
+        path = torch.where(k[None, :] <= last_depth[:, None], path[:, :max_depth + 1], last[:, None])
+    else:
+        anc = [last]  # anc[:, i] is i steps above the last node
+        for _ in range(max_depth):
+            anc.append(torch.gather(parents_full, 1, anc[-1][:, None]).squeeze(1))
+        anc = torch.stack(anc, dim=1)  # [N, max_depth+1]
+        steps_up = (last_depth[:, None] - k[None, :]).clamp(min=0)  # past the end -> 0 = last
+        path = torch.gather(anc, 1, steps_up)
     bonus = torch.gather(samples, 1, last[:, None]).squeeze(1)
     return path, num_accepted, bonus
 

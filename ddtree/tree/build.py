@@ -63,41 +63,21 @@ def _topk_per_depth_reference(logprobs: torch.Tensor, k: int):
 def _topk_select(x: torch.Tensor, k: int):
     """Exact stable top-``k`` of float32 ``x`` along the last dim, 0 < k <= V.
 
-    Same result as the full stable sort, in O(V) work per row and without
-    host syncs (all shapes depend only on ``x.shape`` and ``k``):
-
-    1. ``t`` = k-th largest value (``torch.topk``, ties in arbitrary order).
-       Every entry > t is among the top k; the remaining ``need`` slots go to
-       the lowest-index entries == t.
-    2. The top-k entries are ordered by (value desc, index asc) with two small
-       sorts over k elements; the n_gt entries > t form the prefix.
-    3. The lowest-index entries == t come from a second top-k over an integer
-       key that is unique for entries == t (larger for smaller index) and 0
-       elsewhere; at least ``need`` entries are == t, so its first ``need``
-       results are exactly the ones wanted, in index order.
-    Comparisons treat -0.0 == 0.0 like the sort does; values are gathered
-    from ``x`` so their bits (e.g. the sign of zero) match the sort's output.
+    Same result as the full stable sort, with one ``torch.topk`` and no host
+    syncs: every entry gets a unique int64 key whose order is (value desc,
+    index asc) -- the fp32 bits mapped to an order-preserving int32 in the
+    high half, V-1-index in the low half -- so selecting the k largest keys
+    selects and orders exactly like the sort.  ``x + 0.0`` maps -0.0 to
+    +0.0, which the sort treats as equal; values are gathered from ``x`` so
+    their bits match the sort's output.
     """
     V = x.shape[-1]
-    top_v, top_i = torch.topk(x, k, dim=-1, sorted=False)
-    t = top_v.amin(dim=-1, keepdim=True)
-    n_gt = (top_v > t).sum(dim=-1, keepdim=True)
-
-    # (value desc, index asc) order of the top-k set, via k-element sorts.
-    top_i, _ = torch.sort(top_i, dim=-1)
-    top_v = x.gather(-1, top_i)
-    _, order = torch.sort(top_v, dim=-1, descending=True, stable=True)
-    top_i = top_i.gather(-1, order)
-
-    # Lowest-index entries equal to t.
-    key_dtype = torch.int32 if V < 2**31 else torch.int64
-    rev = torch.arange(V, 0, -1, dtype=key_dtype, device=x.device)  # V..1
-    tie_key = torch.where(x == t, rev, 0)
-    _, tie_i = torch.topk(tie_key, k, dim=-1, sorted=True)
-
-    pos = torch.arange(k, device=x.device)
-    tie_take = tie_i.gather(-1, (pos - n_gt).clamp(min=0))
-    idx = torch.where(pos < n_gt, top_i, tie_take)
+    bits = (x + 0.0).view(torch.int32).to(torch.int64)
+    ordered = torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
+    low = torch.arange(V - 1, -1, -1, device=x.device, dtype=torch.int64)
+    key = ordered * (1 << 32) + low
+    top = torch.topk(key, k, dim=-1, sorted=True).values
+    idx = (V - 1) - (top & 0xFFFFFFFF)
     return x.gather(-1, idx), idx
 
 
@@ -105,8 +85,8 @@ def topk_per_depth(logprobs: torch.Tensor, k: int):
     """Top-``k`` log-probs and token ids along the last dim, stable descending.
 
     Exactly the first ``k`` entries of a stable descending sort (equal values:
-    smaller token id first), but computed by selection (``torch.topk``) plus
-    small sorts over k elements instead of a full sort over the vocabulary;
+    smaller token id first), but computed by one selection (``torch.topk``)
+    over unique integer keys instead of a full sort over the vocabulary;
     see :func:`_topk_select`.  No host syncs, static shapes.
     Returns ``(lp float32 [..., k], tok int64 [..., k])``.
     """

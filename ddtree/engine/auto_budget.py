@@ -1,0 +1,89 @@
+"""``budget="auto"``: pick each step's speculation for the batch it runs.
+
+A step over n sequences with candidate c (plain decoding, the DFlash chain, or a DDTree of
+budget b) commits about n * tau(c) tokens in cost(n, c) seconds, so the controller runs the
+candidate with the largest tau(c) / cost(n, c):
+
+- cost: a curve per batch bucket measured at start-up (CUDA: replaying each captured step graph
+  on padding rows), replaced by the wall time of real steps as they run (EMA); a candidate not
+  yet run in a bucket gets its start-up figure plus the bucket's measured host overhead.
+- tau: tokens committed per sequence per step, an EMA over real steps of that candidate (plain
+  decoding is exactly 1). Every candidate is tried once before the controller exploits, and
+  every ``explore_every`` steps it tries a neighbour of the current best (when its estimate is
+  within ``explore_margin`` of the best) so estimates stay fresh.
+
+Larger batches make verification cost grow with the tree, so the choice slides from big trees
+at concurrency 1 to small trees, the chain, or plain decoding when the GPU is saturated.
+"""
+from __future__ import annotations
+
+AUTO_BUDGETS = (8, 16, 32, 64, 128)
+
+
+def auto_candidates(cap: int, has_drafter: bool) -> list[tuple[str, int]]:
+    """Candidates in increasing cost order: plain, chain, then trees up to budget ``cap``."""
+    if not has_drafter:
+        return [("ar", 0)]
+    budgets = sorted({b for b in AUTO_BUDGETS if b <= cap} | ({cap} if cap > 0 else set()))
+    return [("ar", 0), ("dflash", 0)] + [("ddtree", b) for b in budgets]
+
+
+class AutoBudget:
+    def __init__(self, candidates: list[tuple[str, int]], bucket_of, alpha: float = 0.2,
+                 explore_every: int = 32, explore_margin: float = 0.8):
+        self.candidates = candidates
+        self.bucket_of = bucket_of
+        self.alpha, self.explore_every, self.explore_margin = alpha, explore_every, explore_margin
+        self.tau: dict[tuple[str, int], float] = {("ar", 0): 1.0}
+        self.cost: dict[tuple[int, tuple[str, int]], float] = {}    # measured wall time per step
+        self.prior: dict[tuple[int, tuple[str, int]], float] = {}   # start-up profile
+        self.overhead: dict[int, float] = {}                        # wall - prior, per bucket
+        self.steps = 0
+        self.explore_up = True
+
+    def _ema(self, table: dict, key, value: float) -> None:
+        table[key] = value if key not in table else (1 - self.alpha) * table[key] + self.alpha * value
+
+    def step_cost(self, bucket: int, cand) -> float | None:
+        if (bucket, cand) in self.cost:
+            return self.cost[(bucket, cand)]
+        if (bucket, cand) in self.prior:
+            return self.prior[(bucket, cand)] + self.overhead.get(bucket, 0.0)
+        return None
+
+    def rate(self, bucket: int, cand) -> float:
+        """Expected tokens per second per sequence."""
+        return self.tau[cand] / self.step_cost(bucket, cand)
+
+    def choose(self, n: int) -> tuple[str, int]:
+        bucket = self.bucket_of(n)
+        for cand in self.candidates:  # everything is tried once
+            if cand not in self.tau or self.step_cost(bucket, cand) is None:
+                return cand
+        best = max(range(len(self.candidates)), key=lambda i: self.rate(bucket, self.candidates[i]))
+        self.steps += 1
+        if self.steps % self.explore_every == 0 and len(self.candidates) > 1:
+            self.explore_up = not self.explore_up
+            step = 1 if self.explore_up else -1
+            if not 0 <= best + step < len(self.candidates):
+                step = -step
+            near = self.candidates[best + step]
+            # Only refresh neighbours that could plausibly win: a clearly worse one costs real time.
+            if self.rate(bucket, near) >= self.explore_margin * self.rate(bucket, self.candidates[best]):
+                return near
+        return self.candidates[best]
+
+    def observe(self, n: int, cand, seconds: float, tokens_per_seq: float) -> None:
+        bucket = self.bucket_of(n)
+        if cand != ("ar", 0):
+            self._ema(self.tau, cand, tokens_per_seq)
+        self._ema(self.cost, (bucket, cand), seconds)
+        if (bucket, cand) in self.prior:
+            self._ema(self.overhead, bucket, max(0.0, seconds - self.prior[(bucket, cand)]))
+
+    def best(self, n: int) -> tuple[str, int] | None:
+        """The current choice without exploring (None until everything was tried)."""
+        bucket = self.bucket_of(n)
+        if any(c not in self.tau or self.step_cost(bucket, c) is None for c in self.candidates):
+            return None
+        return max(self.candidates, key=lambda c: self.rate(bucket, c))

@@ -1,0 +1,130 @@
+"""Fused Triton kernels for the layer ops around attention (CUDA path).
+
+Each reproduces the torch reference's roundings (fp32 math, a cast back to the model dtype
+wherever the reference casts), so the two paths agree to the last bit in most places and to
+fp32 rounding order elsewhere. Fusing matters because a 135M-parameter model at batch 1 is
+bound by kernel count, not FLOPs.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _add_rms_norm_kernel(X, R, W, Y, RO, stride_x, stride_r, stride_y, stride_ro, n_cols, eps,
+                         BLOCK: tl.constexpr, HAS_RES: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    m = cols < n_cols
+    x = tl.load(X + row * stride_x + cols, mask=m, other=0.0)
+    if HAS_RES:
+        r = tl.load(R + row * stride_r + cols, mask=m, other=0.0)
+        x = (x.to(tl.float32) + r.to(tl.float32)).to(X.dtype.element_ty)
+        tl.store(RO + row * stride_ro + cols, x, mask=m)
+    xf = x.to(tl.float32)
+    var = tl.sum(xf * xf, 0) / n_cols
+    y = (xf * tl.math.rsqrt(var + eps)).to(X.dtype.element_ty)
+    w = tl.load(W + cols, mask=m, other=0.0)
+    tl.store(Y + row * stride_y + cols, (y.to(tl.float32) * w.to(tl.float32)).to(Y.dtype.element_ty), mask=m)
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float):
+    """(norm(x + residual), x + residual); residual None: (norm(x), x)."""
+    x2 = x.reshape(-1, x.shape[-1])
+    y = torch.empty_like(x2)
+    res_out = torch.empty_like(x2) if residual is not None else x2
+    r2 = residual.reshape(-1, x.shape[-1]) if residual is not None else x2
+    _add_rms_norm_kernel[(x2.shape[0],)](
+        x2, r2, weight, y, res_out, x2.stride(0), r2.stride(0), y.stride(0), res_out.stride(0),
+        x2.shape[1], eps, BLOCK=triton.next_power_of_2(x2.shape[1]), HAS_RES=residual is not None,
+        num_warps=4)
+    return y.view(x.shape), res_out.view(x.shape)
+
+
+@triton.jit
+def _head_norm_rope(x1, x2, W, c, s, eps, HALF: tl.constexpr, HAS_NORM: tl.constexpr):
+    """RMSNorm over the head (optional) then rotary, on the head's two halves."""
+    dtype = x1.dtype
+    if HAS_NORM:
+        f1, f2 = x1.to(tl.float32), x2.to(tl.float32)
+        inv = tl.math.rsqrt((tl.sum(f1 * f1, 0) + tl.sum(f2 * f2, 0)) / (2 * HALF) + eps)
+        d = tl.arange(0, HALF)
+        w1 = tl.load(W + d).to(tl.float32)
+        w2 = tl.load(W + HALF + d).to(tl.float32)
+        x1 = ((f1 * inv).to(dtype).to(tl.float32) * w1).to(dtype)
+        x2 = ((f2 * inv).to(dtype).to(tl.float32) * w2).to(dtype)
+    f1, f2 = x1.to(tl.float32), x2.to(tl.float32)
+    return (f1 * c - f2 * s).to(dtype), (f2 * c + f1 * s).to(dtype)
+
+
+@triton.jit
+def _qkv_rope_store_kernel(QKV, QO, KC, VC, COS, SIN, SLOTS, QW, KW, eps,
+                           stride_qkv, stride_qo_t, stride_qo_h, stride_kc, stride_kh, stride_vc, stride_vh,
+                           stride_cos,
+                           NQ: tl.constexpr, NKV: tl.constexpr, HALF: tl.constexpr, HAS_NORM: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    j = tl.program_id(1)  # head: [0, NQ) queries, [NQ, NQ+NKV) keys, then values
+    d = tl.arange(0, HALF)
+    base = QKV + t * stride_qkv + j * (2 * HALF)
+    x1 = tl.load(base + d)
+    x2 = tl.load(base + HALF + d)
+    c = tl.load(COS + t * stride_cos + d)
+    s = tl.load(SIN + t * stride_cos + d)
+    slot = tl.load(SLOTS + t).to(tl.int64)
+    if j < NQ:
+        y1, y2 = _head_norm_rope(x1, x2, QW, c, s, eps, HALF, HAS_NORM)
+        out = QO + t * stride_qo_t + j * stride_qo_h
+        tl.store(out + d, y1)
+        tl.store(out + HALF + d, y2)
+    elif j < NQ + NKV:
+        y1, y2 = _head_norm_rope(x1, x2, KW, c, s, eps, HALF, HAS_NORM)
+        out = KC + slot * stride_kc + (j - NQ) * stride_kh
+        tl.store(out + d, y1.to(KC.dtype.element_ty))
+        tl.store(out + HALF + d, y2.to(KC.dtype.element_ty))
+    else:
+        out = VC + slot * stride_vc + (j - NQ - NKV) * stride_vh
+        tl.store(out + d, x1.to(VC.dtype.element_ty))
+        tl.store(out + HALF + d, x2.to(VC.dtype.element_ty))
+
+
+def qkv_rope_store(qkv: torch.Tensor, num_q: int, num_kv: int, head_dim: int, cos: torch.Tensor,
+                   sin: torch.Tensor, slots: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                   q_norm=None, k_norm=None) -> torch.Tensor | None:
+    """qkv [T, (num_q + 2 num_kv) * head_dim] from the fused projection: norm (optional) and rotate
+    queries and keys, write keys and values to their cache slots; returns q [T, num_q, head_dim]."""
+    T = qkv.shape[0]
+    q = torch.empty(T, max(num_q, 1), head_dim, device=qkv.device, dtype=qkv.dtype)
+    norm = q_norm if q_norm is not None else k_norm
+    eps = norm.eps if norm is not None else 0.0
+    qw = q_norm.weight if q_norm is not None else qkv
+    kw = k_norm.weight if k_norm is not None else qkv
+    _qkv_rope_store_kernel[(T, num_q + 2 * num_kv)](
+        qkv, q, k_cache, v_cache, cos, sin, slots, qw, kw, eps,
+        qkv.stride(0), q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
+        v_cache.stride(0), v_cache.stride(1), cos.stride(0),
+        NQ=num_q, NKV=num_kv, HALF=head_dim // 2, HAS_NORM=norm is not None, num_warps=1)
+    return q if num_q else None
+
+
+@triton.jit
+def _silu_mul_kernel(X, Y, stride_x, stride_y, n, BLOCK: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    m = cols < n
+    g = tl.load(X + t * stride_x + cols, mask=m, other=0.0).to(tl.float32)
+    u = tl.load(X + t * stride_x + n + cols, mask=m, other=0.0)
+    act = (g / (1.0 + tl.exp(-g))).to(u.dtype)
+    tl.store(Y + t * stride_y + cols, (act.to(tl.float32) * u.to(tl.float32)).to(u.dtype), mask=m)
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """[T, 2I] (gate | up) -> silu(gate) * up, [T, I]."""
+    T, two_n = gate_up.shape
+    n = two_n // 2
+    y = torch.empty(T, n, device=gate_up.device, dtype=gate_up.dtype)
+    block = 1024
+    _silu_mul_kernel[(T, triton.cdiv(n, block))](gate_up, y, gate_up.stride(0), y.stride(0), n, BLOCK=block,
+                                                 num_warps=4)
+    return y

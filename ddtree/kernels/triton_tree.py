@@ -1,0 +1,158 @@
+"""DDTree construction as one Triton program per sequence (the CUDA path of ``build_tree_batched``).
+
+Same beams, same tie rule, same output as the torch builder (``ddtree.tree.build``), but the ~10
+kernel launches per depth become one launch for the whole tree. Two facts keep it small:
+
+- Per depth only pairs (parent j, rank r) with (j+1)(r+1) <= n_d can reach the top n_d: beams
+  and ranks are sorted, fp32 addition is monotone and ties prefer smaller (j, r), so every pair
+  (j' <= j, r' <= r) precedes (j, r). That is about n_d ln n_d candidates instead of n_prev * K.
+- Order is a single int64 key: the fp32 score mapped to an order-preserving int32 in the high
+  half, (max - tie index) in the low half, so one descending sort realises the tie rule.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ddtree.tree.build import effective_budget, topk_per_depth
+
+_LOW = 2**31 - 1
+
+
+@triton.jit
+def _sort_key(score, tie):
+    """Descending order of the key = score desc, then tie index asc."""
+    bits = (score + 0.0).to(tl.int32, bitcast=True)  # + 0.0 turns -0.0 into +0.0
+    ordered = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
+    return (ordered.to(tl.int64) << 32) | (2147483647 - tie).to(tl.int64)
+
+
+@triton.jit
+def _build_tree_kernel(LP, TOK, SIZES, OFFS, PAIR_J, PAIR_R,
+                       ALL_SCORE, ALL_TOK, ALL_PAR, INV, KEYS, OUT_TOK, OUT_PAR, OUT_DEP,
+                       D: tl.constexpr, K: tl.constexpr, N_NODES: tl.constexpr, TOTAL: tl.constexpr,
+                       CAND: tl.constexpr, KP2: tl.constexpr, TOTAL_P2: tl.constexpr,
+                       RANK: tl.constexpr, CHUNK: tl.constexpr):
+    n = tl.program_id(0).to(tl.int64)
+    lp = LP + n * D * K
+    tok = TOK + n * D * K
+    all_score = ALL_SCORE + n * TOTAL_P2
+    all_tok = ALL_TOK + n * TOTAL_P2
+    all_par = ALL_PAR + n * TOTAL_P2
+    inv = INV + n * TOTAL_P2
+    keys = KEYS + n * CAND
+
+    # Depth 1: the K best tokens, already in order.
+    r = tl.arange(0, KP2)
+    tl.store(all_score + r, tl.load(lp + r, mask=r < K), mask=r < K)
+    tl.store(all_tok + r, tl.load(tok + r, mask=r < K), mask=r < K)
+    tl.store(all_par + r, tl.full([KP2], -1, tl.int32), mask=r < K)
+    tl.debug_barrier()
+
+    c = tl.arange(0, CAND)
+    pj = tl.load(PAIR_J + c)
+    pr = tl.load(PAIR_R + c)
+    for d in range(1, D):
+        n_prev = tl.load(SIZES + d - 1)
+        n_d = tl.load(SIZES + d)
+        off_prev = tl.load(OFFS + d - 1)
+        off = tl.load(OFFS + d)
+        valid = (pj < n_prev) & ((pj + 1) * (pr + 1) <= n_d)
+        score = tl.load(all_score + off_prev + pj, mask=valid, other=0.0) + tl.load(lp + d * K + pr, mask=valid, other=0.0)
+        key = tl.where(valid, _sort_key(score, pj * K + pr), -9223372036854775807 - 1)
+        if RANK:
+            # Rank by counting larger keys (keys of valid pairs are unique), then scatter.
+            tl.store(keys + c, key)
+            tl.debug_barrier()
+            rank = tl.zeros([CAND], tl.int32)
+            for start in range(0, CAND, CHUNK):
+                other = tl.load(keys + start + tl.arange(0, CHUNK))
+                rank += tl.sum((other[None, :] > key[:, None]).to(tl.int32), 1)
+            keep = valid & (rank < n_d)
+            tl.store(all_score + off + rank, score, mask=keep)
+            tl.store(all_tok + off + rank, tl.load(tok + d * K + pr, mask=keep, other=0), mask=keep)
+            tl.store(all_par + off + rank, (off_prev + pj).to(tl.int32), mask=keep)
+        else:
+            key = tl.sort(key, descending=True)
+            flat = 2147483647 - (key & 0xFFFFFFFF).to(tl.int32)
+            j = flat // K
+            rr = flat % K
+            keep = c < n_d
+            score = tl.load(all_score + off_prev + j, mask=keep, other=0.0) + tl.load(lp + d * K + rr, mask=keep, other=0.0)
+            tl.store(all_score + off + c, score, mask=keep)
+            tl.store(all_tok + off + c, tl.load(tok + d * K + rr, mask=keep, other=0), mask=keep)
+            tl.store(all_par + off + c, (off_prev + j).to(tl.int32), mask=keep)
+        tl.debug_barrier()
+
+    # Global order over every beam entry: score desc, then concatenation position asc.
+    p = tl.arange(0, TOTAL_P2)
+    inside = p < TOTAL
+    key = tl.where(inside, _sort_key(tl.load(all_score + p, mask=inside, other=0.0), p), -9223372036854775807 - 1)
+    key = tl.sort(key, descending=True)
+    pos = 2147483647 - (key & 0xFFFFFFFF).to(tl.int32)
+    chosen = p < N_NODES
+    tl.store(inv + pos, p.to(tl.int32), mask=chosen)
+    tl.debug_barrier()
+
+    depth = tl.zeros([TOTAL_P2], tl.int32)
+    for d in range(1, D):
+        depth += (pos >= tl.load(OFFS + d)).to(tl.int32)
+    parent_pos = tl.load(all_par + pos, mask=chosen, other=-1)
+    parent_out = tl.load(inv + parent_pos, mask=chosen & (parent_pos >= 0), other=-1)
+    # Results are in sorted order already: element p of the sorted arrays is output node p.
+    tl.store(OUT_TOK + n * N_NODES + p, tl.load(all_tok + pos, mask=chosen, other=0), mask=chosen)
+    tl.store(OUT_PAR + n * N_NODES + p, (parent_out + 1).to(tl.int64), mask=chosen)
+    tl.store(OUT_DEP + n * N_NODES + p, (depth + 1).to(tl.int64), mask=chosen)
+
+
+_PLANS: dict = {}
+
+
+def _plan(budget: int, depth: int, vocab: int, device):
+    """Static per-(budget, depth, vocab) tables: beam sizes, offsets and candidate pairs."""
+    key = (budget, depth, vocab, str(device))
+    if key not in _PLANS:
+        K = min(budget, vocab)
+        sizes = [K]
+        for d in range(1, depth):
+            sizes.append(max(0, min(budget - d, sizes[-1] * K)))
+        offs = [0]
+        for s in sizes[:-1]:
+            offs.append(offs[-1] + s)
+        top = max(sizes[1:], default=0)
+        pairs = [(j, r) for j in range(top) for r in range(K) if (j + 1) * (r + 1) <= top]
+        cand = triton.next_power_of_2(max(len(pairs), 16))
+        pairs += [(budget * K + 1, K)] * (cand - len(pairs))  # never valid
+        t = lambda x: torch.tensor(x, dtype=torch.int32, device=device)  # noqa: E731
+        _PLANS[key] = (K, t(sizes), t(offs), t([j for j, _ in pairs]), t([r for _, r in pairs]),
+                       sum(sizes), cand)
+    return _PLANS[key]
+
+
+def build_tree_triton(logprobs: torch.Tensor, budget: int, rank: bool = True, num_warps: int | None = None):
+    """``build_tree_batched`` in one launch: logprobs [N, D, V] -> (tokens, parents, depths) [N, B']."""
+    N, D, V = logprobs.shape
+    device = logprobs.device
+    n_nodes = effective_budget(budget, D, V)
+    if n_nodes == 0:
+        e = torch.empty(N, 0, dtype=torch.long, device=device)
+        return e, e.clone(), e.clone()
+    K, sizes, offs, pair_j, pair_r, total, cand = _plan(budget, D, V, device)
+    lp, tok = topk_per_depth(logprobs, K)
+    lp = lp.clamp(max=0.0).contiguous()
+    tok = tok.contiguous()
+    total_p2 = triton.next_power_of_2(total)
+    all_score = torch.empty(N, total_p2, device=device, dtype=torch.float32)
+    all_tok = torch.empty(N, total_p2, device=device, dtype=torch.long)
+    all_par = torch.empty(N, total_p2, device=device, dtype=torch.int32)
+    inv = torch.empty(N, total_p2, device=device, dtype=torch.int32)
+    keys = torch.empty(N, cand, device=device, dtype=torch.long)
+    out = [torch.empty(N, n_nodes, device=device, dtype=torch.long) for _ in range(3)]
+    _build_tree_kernel[(N,)](
+        lp, tok, sizes, offs, pair_j, pair_r, all_score, all_tok, all_par, inv, keys, *out,
+        D=D, K=K, N_NODES=n_nodes, TOTAL=total, CAND=cand, KP2=triton.next_power_of_2(K),
+        TOTAL_P2=total_p2, RANK=rank, CHUNK=min(cand, max(16, 8192 // cand)),
+        num_warps=num_warps or (4 if total_p2 <= 1024 else 8))
+    return tuple(out)
+

@@ -1,0 +1,215 @@
+"""Attention and fused-layer kernels against float64 / torch references.
+
+On a machine without CUDA the Triton kernels run in Triton's interpreter (numpy), so CI checks
+the same kernel code the GPU runs; on CUDA they are compiled and bf16 is checked too."""
+import contextlib
+import os
+
+import pytest
+import torch
+
+CUDA = torch.cuda.is_available()
+if not CUDA:
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # must precede the kernels' import
+
+triton = pytest.importorskip("triton", reason="triton is installed by scripts/setup")
+
+from ddtree.context import AttentionContext  # noqa: E402
+from ddtree.kernels.attention import reference_attention  # noqa: E402
+from ddtree.kernels.triton_attention import tree_attention  # noqa: E402
+from ddtree.tree import ancestor_mask  # noqa: E402
+
+DEVICE = "cuda" if CUDA else "cpu"
+PAGE = 4
+
+
+def random_parents(gen, n: int) -> list[int]:
+    """A random tree over nodes 0..n-1 in topological order (root 0)."""
+    return [0] + [int(torch.randint(0, i, (1,), generator=gen)) for i in range(1, n)]
+
+
+def make_case(gen, cached: list[int], new: int | list[int], mask: str, heads=6, kv_heads=2, dim=16,
+              dtype=torch.float32):
+    """A paged cache with shuffled blocks holding random K/V; returns (q, k_cache, v_cache, ctx)."""
+    N = len(cached)
+    new_lens = new if isinstance(new, list) else [new] * N
+    blocks_per_seq = [-(-(c + n) // PAGE) for c, n in zip(cached, new_lens)]
+    order = torch.randperm(sum(blocks_per_seq) + 3, generator=gen).tolist()  # a few unused blocks
+    width = max(blocks_per_seq)
+    tables, used = [], 0
+    for b in blocks_per_seq:
+        tables.append(order[used:used + b] + [0] * (width - b))
+        used += b
+    num_slots = (len(order)) * PAGE
+    k_cache = torch.randn(num_slots, kv_heads, dim, generator=gen).to(dtype)
+    v_cache = torch.randn(num_slots, kv_heads, dim, generator=gen).to(dtype)
+    q = torch.randn(sum(new_lens), heads, dim, generator=gen).to(dtype)
+    tree_mask = None
+    if mask == "tree":
+        T = max(new_lens)
+        parents = torch.tensor([random_parents(gen, T) for _ in range(N)])
+        tree_mask = ancestor_mask(parents, T - 1).to(DEVICE)
+    tables = torch.tensor(tables, device=DEVICE)
+    ctx = AttentionContext.build(tables, cached, new_lens, PAGE, mask=mask, tree_mask=tree_mask)
+    return q.to(DEVICE), k_cache.to(DEVICE), v_cache.to(DEVICE), ctx
+
+
+def float64_attention(q, k_cache, v_cache, ctx: AttentionContext, scale: float) -> torch.Tensor:
+    """Straight from the definition, one sequence and query at a time, in float64."""
+    out = torch.zeros(q.shape, dtype=torch.float64)
+    H, kv_heads = q.shape[1], k_cache.shape[1]
+    starts = ctx.query_start.tolist()
+    for i in range(ctx.num_seqs):
+        c, n = int(ctx.cached_lens[i]), starts[i + 1] - starts[i]
+        pos = torch.arange(c + n)
+        slots = ctx.block_tables[i].cpu()[pos // PAGE] * PAGE + pos % PAGE
+        k = k_cache.cpu()[slots].double()
+        v = v_cache.cpu()[slots].double()
+        for j in range(n):
+            if ctx.mask == "causal":
+                new_ok = torch.arange(n) <= j
+            elif ctx.mask == "full":
+                new_ok = torch.ones(n, dtype=torch.bool)
+            else:
+                new_ok = ctx.tree_mask[i, j, :n].cpu()
+            visible = torch.cat([torch.ones(c, dtype=torch.bool), new_ok])
+            for h in range(H):
+                kh = h // (H // kv_heads)
+                s = (k[:, kh] @ q[starts[i] + j, h].cpu().double()) * scale
+                s = s.masked_fill(~visible, float("-inf"))
+                out[starts[i] + j, h] = torch.softmax(s, 0) @ v[:, kh]
+    return out
+
+
+CASES = [
+    ("decode", [5, 0, 17], 1, "causal"),
+    ("prefill chunks", [0, 7, 3], [9, 4, 1], "causal"),
+    ("drafter block", [6, 1, 20], 5, "full"),
+    ("tree verify", [3, 11, 0, 30], 9, "tree"),
+    ("big tree", [40, 2], 33, "tree"),
+]
+
+
+@pytest.mark.parametrize("name,cached,new,mask", CASES, ids=[c[0] for c in CASES])
+@pytest.mark.parametrize("group", [1, 3])
+def test_tree_attention_matches_float64(name, cached, new, mask, group):
+    gen = torch.Generator().manual_seed(len(name) * 7 + group)
+    q, k, v, ctx = make_case(gen, cached, new, mask, heads=2 * group, kv_heads=2)
+    scale = 0.25
+    want = float64_attention(q, k, v, ctx, scale)
+    got = tree_attention(q, k, v, ctx, scale).cpu().double()
+    ref = reference_attention(q, k, v, ctx, scale).cpu().double()
+    assert (got - want).abs().max() < 1e-5
+    assert (ref - want).abs().max() < 1e-5
+
+
+@pytest.mark.skipif(not CUDA, reason="bf16 tree attention is checked on the GPU (numpy has no bf16)")
+def test_tree_attention_bf16_close_to_float64():
+    gen = torch.Generator().manual_seed(3)
+    q, k, v, ctx = make_case(gen, [100, 3, 57], 65, "tree", heads=9, kv_heads=3, dim=64, dtype=torch.bfloat16)
+    want = float64_attention(q, k, v, ctx, 0.125)
+    got = tree_attention(q, k, v, ctx, 0.125).cpu().double()
+    assert (got - want).abs().max() < 2e-2
+
+
+def test_tree_mask_changes_the_output():
+    """Guard against a kernel that ignores the mask: a chain and a star over the same keys differ."""
+    gen = torch.Generator().manual_seed(5)
+    q, k, v, ctx = make_case(gen, [4], 6, "tree")
+    chain = ancestor_mask(torch.tensor([[0, 0, 1, 2, 3, 4]]), 5).to(DEVICE)
+    star = ancestor_mask(torch.tensor([[0, 0, 0, 0, 0, 0]]), 5).to(DEVICE)
+    ctx.tree_mask = chain
+    a = tree_attention(q, k, v, ctx, 0.25)
+    ctx.tree_mask = star
+    b = tree_attention(q, k, v, ctx, 0.25)
+    assert torch.allclose(a[:2], b[:2], atol=1e-6)  # root and its first child see the same keys
+    assert not torch.allclose(a[2:], b[2:], atol=1e-3)
+
+
+@contextlib.contextmanager
+def _torch_path():
+    """Force the torch reference path of the layers (on CUDA they would pick Triton)."""
+    old = os.environ.get("DDTREE_TRITON")
+    os.environ["DDTREE_TRITON"] = "0"
+    try:
+        yield
+    finally:
+        if old is None:
+            del os.environ["DDTREE_TRITON"]
+        else:
+            os.environ["DDTREE_TRITON"] = old
+
+
+def test_fused_layer_kernels_match_torch():
+    """add+RMSNorm, qkv rotary + cache store (with and without q/k norm) and silu*mul against
+    the torch path the CPU engine runs."""
+    from ddtree.kernels import triton_layers as tl_ops
+    from ddtree.models.layers import MLP, QKVProjection, RMSNorm, Rotary
+    gen = torch.Generator().manual_seed(0)
+    torch.manual_seed(0)
+    T, hidden = 7, 48
+    x = torch.randn(T, hidden, generator=gen).to(DEVICE)
+    res = torch.randn(T, hidden, generator=gen).to(DEVICE)
+    norm = RMSNorm(hidden, 1e-6).to(DEVICE)
+    norm.weight.data = torch.rand(hidden, generator=gen).to(DEVICE) + 0.5
+    y, r = tl_ops.add_rms_norm(x, res, norm.weight, norm.eps)
+    assert torch.allclose(r, x + res) and torch.allclose(y, norm(x + res), atol=1e-5)
+    y, r = tl_ops.add_rms_norm(x, None, norm.weight, norm.eps)
+    assert torch.equal(r, x) and torch.allclose(y, norm(x), atol=1e-5)
+
+    mlp = MLP(hidden, 40).to(DEVICE)
+    gate_up = torch.cat([mlp.gate_proj(x), mlp.up_proj(x)], 1)
+    want = torch.nn.functional.silu(mlp.gate_proj(x)) * mlp.up_proj(x)
+    assert torch.allclose(tl_ops.silu_mul(gate_up), want, atol=1e-6)
+
+    positions = torch.tensor([0, 3, 4, 9, 10, 11, 30], device=DEVICE)
+    cos, sin = Rotary(16, 10000.0).to(DEVICE).cos_sin(positions)
+    slots = torch.tensor([5, 0, 7, 2, 9, 1, 3], device=DEVICE)
+    zeros = lambda: (torch.zeros(10, 2, 16, device=DEVICE), torch.zeros(10, 2, 16, device=DEVICE))  # noqa: E731
+    for qk_norm in (False, True):
+        proj = QKVProjection(hidden, 6, 2, 16, bias=True, qk_norm=qk_norm, eps=1e-6).to(DEVICE)
+        if qk_norm:
+            proj.q_norm.weight.data = torch.rand(16, generator=gen).to(DEVICE) + 0.5
+            proj.k_norm.weight.data = torch.rand(16, generator=gen).to(DEVICE) + 0.5
+        with torch.no_grad():
+            ref_cache = zeros()
+            with _torch_path():
+                q_ref = proj.project_store(x, cos, sin, ref_cache, slots)
+            qkv = torch.cat([proj.q_proj(x), proj.k_proj(x), proj.v_proj(x)], 1)
+            cache = zeros()
+            q = tl_ops.qkv_rope_store(qkv, 6, 2, 16, cos, sin, slots, *cache, proj.q_norm, proj.k_norm)
+            assert torch.allclose(q, q_ref, atol=1e-5)
+            assert torch.allclose(cache[0], ref_cache[0], atol=1e-5) and torch.equal(cache[1], ref_cache[1])
+            kv_only = zeros()
+            assert tl_ops.qkv_rope_store(qkv[:, 96:], 0, 2, 16, cos, sin, slots, *kv_only, None,
+                                         proj.k_norm) is None
+            assert torch.allclose(kv_only[0], ref_cache[0], atol=1e-5)
+
+
+def test_tree_attention_reads_strided_metadata():
+    """CUDA graphs feed block tables and lengths as column views of one packed buffer."""
+    gen = torch.Generator().manual_seed(11)
+    q, k, v, ctx = make_case(gen, [9, 2, 14], 5, "tree")
+    want = tree_attention(q, k, v, ctx, 0.25)
+    N, W = ctx.block_tables.shape
+    packed = torch.full((N, 3 + W), -7, dtype=torch.long, device=DEVICE)
+    packed[:, 1] = ctx.cached_lens
+    packed[:, 3:] = ctx.block_tables
+    ctx.cached_lens, ctx.block_tables = packed[:, 1], packed[:, 3:]
+    assert torch.equal(tree_attention(q, k, v, ctx, 0.25), want)
+
+
+@pytest.mark.parametrize("budget,depth,vocab", [(1, 4, 9), (3, 3, 5), (8, 6, 7), (32, 15, 50), (100, 5, 3),
+                                                (64, 6, 400)])
+def test_triton_tree_builder_matches_torch_builder(budget, depth, vocab):
+    from ddtree.kernels.triton_tree import build_tree_triton
+    from ddtree.tree import build_tree_batched
+    gen = torch.Generator().manual_seed(budget + depth)
+    lp = torch.log_softmax(torch.randn(3, depth, vocab, generator=gen) * 3, -1)
+    lp[1] = torch.log_softmax(torch.randint(0, 3, (depth, vocab), generator=gen).float(), -1)  # many ties
+    lp = lp.to(DEVICE)
+    want = build_tree_batched(lp, budget)
+    for rank in (True, False):  # selection by counting ranks, and by sorting
+        got = build_tree_triton(lp, budget, rank=rank)
+        for w, g in zip(want, got):
+            assert torch.equal(w, g)
