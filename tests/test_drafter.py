@@ -37,9 +37,7 @@ def test_checkpoint_has_zlab_fields_and_round_trips(smol, tokenizer, prompts, tm
         seq = llm.engine.add_request(prompts[0], __import__("ddtree").SamplingParams(temperature=0, max_tokens=2))
         llm.engine.step()  # prefill (stores drafter context)
         runner = llm.engine.runner
-        kind = runner.step_kind([seq], "ddtree", 4, store_context=False)
-        with torch.inference_mode():
-            outs.append(runner.draft(kind, runner._inputs([seq]), len(seq) + d.block_size, [seq]))
+        outs.append(runner.draft_for([seq]))
     assert torch.equal(outs[0], outs[1])
     assert outs[0].shape == (1, 7, smol.config.vocab_size)
 

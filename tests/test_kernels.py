@@ -9,9 +9,12 @@ import pytest
 import torch
 
 CUDA = torch.cuda.is_available()
-if not CUDA:
-    os.environ.setdefault("TRITON_INTERPRET", "1")  # must precede the kernels' import
-
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+# Without CUDA the kernels run in Triton's interpreter, which must be switched on before triton
+# is first imported; other test modules import it (through transformers), so on CPU this module
+# re-runs itself in a fresh process with TRITON_INTERPRET=1 (the test at the bottom).
+needs_kernels = pytest.mark.skipif(not (CUDA or INTERPRETED),
+                                   reason="run by test_kernels_under_triton_interpreter in a fresh process")
 triton = pytest.importorskip("triton", reason="triton is installed by scripts/setup")
 
 from ddtree.context import AttentionContext  # noqa: E402
@@ -90,6 +93,7 @@ CASES = [
 ]
 
 
+@needs_kernels
 @pytest.mark.parametrize("name,cached,new,mask", CASES, ids=[c[0] for c in CASES])
 @pytest.mark.parametrize("group", [1, 3])
 def test_tree_attention_matches_float64(name, cached, new, mask, group):
@@ -103,6 +107,7 @@ def test_tree_attention_matches_float64(name, cached, new, mask, group):
     assert (ref - want).abs().max() < 1e-5
 
 
+@needs_kernels
 @pytest.mark.skipif(not CUDA, reason="bf16 tree attention is checked on the GPU (numpy has no bf16)")
 def test_tree_attention_bf16_close_to_float64():
     gen = torch.Generator().manual_seed(3)
@@ -112,6 +117,7 @@ def test_tree_attention_bf16_close_to_float64():
     assert (got - want).abs().max() < 2e-2
 
 
+@needs_kernels
 def test_tree_mask_changes_the_output():
     """Guard against a kernel that ignores the mask: a chain and a star over the same keys differ."""
     gen = torch.Generator().manual_seed(5)
@@ -140,6 +146,7 @@ def _torch_path():
             os.environ["DDTREE_TRITON"] = old
 
 
+@needs_kernels
 def test_fused_layer_kernels_match_torch():
     """add+RMSNorm, qkv rotary + cache store (with and without q/k norm) and silu*mul against
     the torch path the CPU engine runs."""
@@ -186,6 +193,7 @@ def test_fused_layer_kernels_match_torch():
             assert torch.allclose(kv_only[0], ref_cache[0], atol=1e-5)
 
 
+@needs_kernels
 def test_tree_attention_reads_strided_metadata():
     """CUDA graphs feed block tables and lengths as column views of one packed buffer."""
     gen = torch.Generator().manual_seed(11)
@@ -201,6 +209,7 @@ def test_tree_attention_reads_strided_metadata():
 
 @pytest.mark.parametrize("budget,depth,vocab", [(1, 4, 9), (3, 3, 5), (8, 6, 7), (32, 15, 50), (100, 5, 3),
                                                 (64, 6, 400)])
+@needs_kernels
 def test_triton_tree_builder_matches_torch_builder(budget, depth, vocab):
     from ddtree.kernels.triton_tree import build_tree_triton
     from ddtree.tree import build_tree_batched
@@ -213,3 +222,15 @@ def test_triton_tree_builder_matches_torch_builder(budget, depth, vocab):
         got = build_tree_triton(lp, budget, rank=rank)
         for w, g in zip(want, got):
             assert torch.equal(w, g)
+
+
+@pytest.mark.skipif(CUDA or INTERPRETED, reason="CPU only: the kernels run directly on CUDA")
+def test_kernels_under_triton_interpreter():
+    """Every kernel test above, in Triton's interpreter, in a fresh process."""
+    import subprocess
+    import sys
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__],
+                         env=env, capture_output=True, text=True, timeout=900)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-2000:]
+    assert " passed" in run.stdout and " failed" not in run.stdout

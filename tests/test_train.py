@@ -76,7 +76,7 @@ def test_training_forward_equals_inference_forward():
     s = llm.engine.add_request(seq, SamplingParams(temperature=0, max_tokens=1))
     llm.engine.step()  # prefill of seq[:-1]; seq[-1] is the root
     with torch.no_grad():
-        inference = llm.engine.runner.draft([s], torch.tensor([seq[-1]]), [len(seq) - 1], "ddtree")[0]
+        inference = llm.engine.runner.draft_for([s])[0]
         ids = torch.tensor([seq + [0, 0, 0]])
         tapped = target_taps(target, ids, drafter.taps)
         anchors = torch.tensor([[len(seq) - 1, 2]])  # a second block must not disturb the first

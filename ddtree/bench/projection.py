@@ -79,6 +79,30 @@ def tau_curve(path: Path, dataset: str) -> dict:
     return curve
 
 
+def plot(out: dict, png) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = out["rows"]
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
+    labels = dict.fromkeys((r["method"], r["budget"]) for r in rows)
+    for method, budget in labels:
+        pts = [r for r in rows if (r["method"], r["budget"]) == (method, budget)]
+        name = method if method != "ddtree" else f"ddtree B={budget}"
+        xs = [r["batch_size"] for r in pts]
+        axes[0].plot(xs, [r["step_cost_vs_ar"] for r in pts], "o-", label=name)
+        axes[1].plot(xs, [r["projected_speedup_vs_ar"] or 0 for r in pts], "o-", label=name)
+    axes[0].set(xscale="log", yscale="log", xlabel="batch size", ylabel="step time / AR step time",
+                title=f"measured step cost, {out['gpu']}, random Qwen3-8B shape")
+    axes[1].axhline(1.0, color="gray", lw=0.8)
+    axes[1].set(xscale="log", xlabel="batch size", ylabel="tau x AR step / step",
+                title="PROJECTED speedup vs AR (tau from " + out["tau_source"].split(" ")[0].split("/")[-1] + ")")
+    axes[1].legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(png, dpi=110)
+
+
 def main(argv=None) -> int:
     from ddtree import LLM
     p = argparse.ArgumentParser(prog="python -m ddtree.bench.projection", description=__doc__)
@@ -120,6 +144,7 @@ def main(argv=None) -> int:
                                                  for n, b in best.items()}}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(out, indent=1))
+    plot(out, Path(args.out).with_suffix(".png"))
     print(f"{'n':>4} {'method':>8} {'B':>4} {'ms/step':>8} {'cost/AR':>8} {'tau':>5} {'proj. speedup':>13}")
     for r in rows:
         print(f"{r['batch_size']:4d} {r['method']:>8} {r['budget']:4d} {r['step_s'] * 1e3:8.2f} "

@@ -134,7 +134,7 @@ def plot(rows: list[dict], png: str | Path) -> None:
         axes[1].set(xscale="log", xlabel="budget", title=f"DDTree at concurrency {c0}")
         axes[1].legend()
     stages = ["prefill", "draft", "build", "verify", "accept", "commit", "other"]
-    bars = [r for r in sel if r["concurrency"] == c0]
+    bars = [r for r in sel if r["concurrency"] == c0 and (r.get("split_steps") or not r.get("auto_choices"))]
     bottom = [0.0] * len(bars)
     for st in stages:
         vals = [r["split_s"].get(st, 0.0) / max(1, r.get("split_steps", r["engine_decode_steps"])) * 1e3

@@ -184,7 +184,20 @@ class LLMEngine:
                 self.seqs.pop(seq.request_id, None)
         return seqs
 
+    def draft_tokens(self, method: str, budget: int) -> int:
+        """Draft tokens one verify step checks: tree nodes, the chain's block - 1, or 0."""
+        if method == "ddtree":
+            return budget
+        return self.drafter.block_size - 1 if method == "dflash" else 0
+
     def _decode(self, group: list[Sequence], method: str, budget) -> list[list[int]]:
+        out = self._decode_group(group, method, budget)
+        drafted = self.draft_tokens(*self.runner.last_step)
+        for seq in group:
+            seq.metrics.draft_tokens.append(drafted)
+        return out
+
+    def _decode_group(self, group: list[Sequence], method: str, budget) -> list[list[int]]:
         if budget != "auto":
             return self.runner.decode(group, method, budget)
         method, budget = cand = self.auto.choose(len(group))

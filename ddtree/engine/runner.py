@@ -175,7 +175,7 @@ class ModelRunner:
         self.graph_pool = torch.cuda.graph_pool_handle() if self.use_graphs else None
         self.profile_stages = False       # record a per-stage split of graph replays
         self.stage_seconds: dict[str, float] = defaultdict(float)
-        self.last_step_kind: StepKind | None = None
+        self.last_step: tuple[str, int] | None = None  # (method, budget) of the last decode round
         self.decode_calls = 0
 
     def _alloc_kv(self, shape, num_slots) -> torch.Tensor:
@@ -256,7 +256,7 @@ class ModelRunner:
     def decode(self, seqs: list[Sequence], method: str, budget: int, store_context: bool = False) -> list[list[int]]:
         """One verify round for every sequence; returns the tokens each one commits."""
         kind = self.step_kind(seqs, method, budget, store_context)
-        self.last_step_kind = kind
+        self.last_step = (kind.method, kind.budget)
         self.decode_calls += 1
         n = len(seqs)
         bucket = self.graph_bucket(n, kind, seqs)
@@ -330,6 +330,13 @@ class ModelRunner:
             state["out"] = self.commit(kind, inp, state["tree"], state["accepted"], *state["verified"][1:3])
 
         return draft, build, verify, accept, commit
+
+    @torch.inference_mode()
+    def draft_for(self, seqs: list[Sequence]) -> torch.Tensor:
+        """The drafter's per-depth log-probabilities for these sequences' next block (eager; for
+        tests and tools)."""
+        kind = self.step_kind(seqs, "ddtree", 1, store_context=False)
+        return self.draft(kind, self._inputs(seqs), max(len(s) for s in seqs) + self.drafter.block_size, seqs)
 
     def draft(self, kind: StepKind, inp: StepInputs, max_keys: int, seqs) -> torch.Tensor | None:
         """Per-depth log-probabilities [N, S-1, V] from the drafter (fp32, temperature 1)."""

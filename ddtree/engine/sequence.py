@@ -19,6 +19,7 @@ class Status(enum.Enum):
 class SequenceMetrics:
     num_verify_steps: int = 0
     accepted_lengths: list[int] = field(default_factory=list)  # tokens committed per verify step
+    draft_tokens: list[int] = field(default_factory=list)      # tree nodes verified per step (0: ar)
 
     @property
     def mean_accepted_length(self) -> float:

@@ -130,7 +130,7 @@ def _plan(budget: int, depth: int, vocab: int, device):
     return _PLANS[key]
 
 
-def build_tree_triton(logprobs: torch.Tensor, budget: int, rank: bool = True, num_warps: int | None = None):
+def build_tree_triton(logprobs: torch.Tensor, budget: int, rank: bool = False, num_warps: int | None = None):
     """``build_tree_batched`` in one launch: logprobs [N, D, V] -> (tokens, parents, depths) [N, B']."""
     N, D, V = logprobs.shape
     device = logprobs.device

@@ -306,8 +306,9 @@ class AsyncEngine:
         steps = seq.metrics.accepted_lengths
         new_tokens = seq.num_output_tokens - live.seen_tokens
         if m is not None:
-            for committed in steps[live.seen_steps:]:
-                m.verify_step(committed, live.draft_tokens)
+            drafted = seq.metrics.draft_tokens
+            for i, committed in enumerate(steps[live.seen_steps:], live.seen_steps):
+                m.verify_step(committed, drafted[i] if i < len(drafted) else live.draft_tokens)
             if new_tokens > 0:
                 if live.last_token_time is None:
                     m.ttft.observe(now - live.arrival)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import logging
 import signal
+import time
 import sys
 
 from ddtree.engine.args import add_engine_args, llm_from_args
@@ -42,6 +43,10 @@ def cmd_serve(args) -> int:
     from ddtree.server.serving import make_server
 
     llm = llm_from_args(args)
+    if llm.engine.runner.use_graphs and llm.engine.config.budget == "auto":
+        t0 = time.perf_counter()
+        llm.engine.profile_auto(sampling=True)  # captures every step graph up front, too
+        log.info("auto budget: start-up cost curve measured in %.1f s", time.perf_counter() - t0)
     app = build_app(llm, served_model_name=args.served_model_name,
                     shutdown_grace_s=args.timeout_graceful_shutdown)
     server = make_server(app, args.host, args.port, log_level=args.log_level,

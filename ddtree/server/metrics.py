@@ -81,7 +81,8 @@ class ServerMetrics:
                                             "tau: tokens committed per verify step, bonus included").labels(**m)
         self.budget = gauge("ddtree:spec_decode_budget", "Configured speculative method and node budget",
                             ("method",))
-        self.budget.labels(method=method, **m).set(budget)
+        # "auto" reports -1: the budget is chosen per step (num_draft_tokens counts what ran).
+        self.budget.labels(method=method, **m).set(-1 if budget == "auto" else budget)
         self._verify_steps = 0
         self._committed = 0
 

@@ -8,7 +8,7 @@ Extensions beyond the OpenAI API: ``top_k``, ``stop_token_ids``, ``ignore_eos`` 
 from __future__ import annotations
 
 import re
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -29,7 +29,8 @@ class Speculative(_Strict):
     """Extension: per-request speculative decoding settings (default: the server's)."""
     model_config = ConfigDict(strict=True, extra="forbid")
     method: Literal["ar", "dflash", "ddtree"] | None = None
-    budget: int | None = Field(default=None, ge=0, description="DDTree node budget (tree nodes verified per step)")
+    budget: Annotated[int, Field(ge=0)] | Literal["auto"] | None = Field(
+        default=None, description="DDTree node budget (tree nodes verified per step), or 'auto'")
 
 
 class _SamplingRequest(_Strict):
