@@ -7,8 +7,9 @@ candidate with the largest tau(c) / cost(n, c):
 - cost: a curve per batch bucket measured at start-up (CUDA: replaying each captured step graph
   on padding rows), replaced by the wall time of real steps as they run (EMA); a candidate not
   yet run in a bucket gets its start-up figure plus the bucket's measured host overhead.
-- tau: tokens committed per sequence per step, an EMA over real steps of that candidate (plain
-  decoding is exactly 1). Every candidate is tried once before the controller exploits, and
+- tau: tokens committed per sequence per step, averaged over real steps of that candidate (plain
+  decoding is exactly 1), lifted to the best smaller tree's (a bigger tree contains it). Every
+  candidate is tried ``min_tries`` times before the controller exploits, and
   every ``explore_every`` steps it tries a neighbour of the current best (when its estimate is
   within ``explore_margin`` of the best) so estimates stay fresh.
 
@@ -30,7 +31,7 @@ def auto_candidates(cap: int, has_drafter: bool) -> list[tuple[str, int]]:
 
 class AutoBudget:
     def __init__(self, candidates: list[tuple[str, int]], bucket_of, alpha: float = 0.2,
-                 explore_every: int = 32, explore_margin: float = 0.8):
+                 explore_every: int = 32, explore_margin: float = 0.8, min_tries: int = 4):
         self.candidates = candidates
         self.bucket_of = bucket_of
         self.alpha, self.explore_every, self.explore_margin = alpha, explore_every, explore_margin
@@ -38,6 +39,8 @@ class AutoBudget:
         self.cost: dict[tuple[int, tuple[str, int]], float] = {}    # measured wall time per step
         self.prior: dict[tuple[int, tuple[str, int]], float] = {}   # start-up profile
         self.overhead: dict[int, float] = {}                        # wall - prior, per bucket
+        self.tries: dict[tuple[str, int], int] = {("ar", 0): min_tries}
+        self.min_tries = min_tries
         self.steps = 0
         self.explore_up = True
 
@@ -51,14 +54,21 @@ class AutoBudget:
             return self.prior[(bucket, cand)] + self.overhead.get(bucket, 0.0)
         return None
 
+    def tau_estimate(self, cand) -> float:
+        """A bigger tree contains every smaller one, so tau can only grow with the budget: the
+        estimate is the running average, lifted to the best of the smaller trees."""
+        if cand[0] != "ddtree":
+            return self.tau[cand]
+        return max(self.tau[c] for c in self.candidates if c[0] == "ddtree" and c[1] <= cand[1] and c in self.tau)
+
     def rate(self, bucket: int, cand) -> float:
         """Expected tokens per second per sequence."""
-        return self.tau[cand] / self.step_cost(bucket, cand)
+        return self.tau_estimate(cand) / self.step_cost(bucket, cand)
 
     def choose(self, n: int) -> tuple[str, int]:
         bucket = self.bucket_of(n)
-        for cand in self.candidates:  # everything is tried once
-            if cand not in self.tau or self.step_cost(bucket, cand) is None:
+        for cand in self.candidates:  # everything is tried a few times (one step is a noisy tau)
+            if self.tries.get(cand, 0) < self.min_tries or self.step_cost(bucket, cand) is None:
                 return cand
         best = max(range(len(self.candidates)), key=lambda i: self.rate(bucket, self.candidates[i]))
         self.steps += 1
@@ -75,8 +85,11 @@ class AutoBudget:
 
     def observe(self, n: int, cand, seconds: float, tokens_per_seq: float) -> None:
         bucket = self.bucket_of(n)
-        if cand != ("ar", 0):
-            self._ema(self.tau, cand, tokens_per_seq)
+        self.tries[cand] = self.tries.get(cand, 0) + 1
+        if cand != ("ar", 0):  # average the first tries, then an EMA
+            alpha = max(self.alpha, 1.0 / self.tries[cand])
+            self.tau[cand] = tokens_per_seq if cand not in self.tau else \
+                (1 - alpha) * self.tau[cand] + alpha * tokens_per_seq
         self._ema(self.cost, (bucket, cand), seconds)
         if (bucket, cand) in self.prior:
             self._ema(self.overhead, bucket, max(0.0, seconds - self.prior[(bucket, cand)]))
@@ -84,6 +97,6 @@ class AutoBudget:
     def best(self, n: int) -> tuple[str, int] | None:
         """The current choice without exploring (None until everything was tried)."""
         bucket = self.bucket_of(n)
-        if any(c not in self.tau or self.step_cost(bucket, c) is None for c in self.candidates):
+        if any(self.tries.get(c, 0) < self.min_tries or self.step_cost(bucket, c) is None for c in self.candidates):
             return None
         return max(self.candidates, key=lambda c: self.rate(bucket, c))

@@ -119,9 +119,10 @@ class StepGraph:
         self.outputs = state["out"]
         self.events = [torch.cuda.Event(enable_timing=True) for _ in range(len(self.graphs) + 1)] if split else []
 
-    def _fill_padding(self, start: int) -> None:
-        """Rows from ``start`` on: root 0 at position 0 in the scratch blocks, greedy."""
+    def _fill_padding(self, start: int, position: int = 0) -> None:
+        """Rows from ``start`` on: root 0 at ``position`` in the scratch blocks, greedy."""
         self.h_ints[start:] = 0
+        self.h_ints[start:, 1] = position
         self.h_ints.numpy()[start:, 3:] = self.scratch
         self.h_floats[start:, 0] = 0.0
         self.h_floats[start:, 1] = 1.0
@@ -130,7 +131,7 @@ class StepGraph:
         self.ints.copy_(self.h_ints, non_blocking=True)
         self.floats.copy_(self.h_floats, non_blocking=True)
 
-    def replay(self, seqs: list[Sequence]):
+    def replay(self, seqs: list[Sequence], pad_position: int = 0):
         ints, floats = self.h_ints.numpy(), self.h_floats.numpy()
         for i, s in enumerate(seqs):
             row = ints[i]
@@ -139,7 +140,7 @@ class StepGraph:
             row[3:3 + k] = s.block_table
             row[3 + k:] = self.scratch[:self.width - k]
             floats[i] = (s.params.temperature, s.params.top_p)
-        self._fill_padding(len(seqs))  # rows of an earlier, larger batch
+        self._fill_padding(len(seqs), pad_position)  # rows of an earlier, larger batch
         self._upload()
         for i, g in enumerate(self.graphs):
             if self.events:
@@ -296,16 +297,19 @@ class ModelRunner:
         return graph
 
     @torch.inference_mode()
-    def time_graph(self, method: str, budget: int, bucket: int, greedy: bool = True, reps: int = 10) -> float:
-        """Seconds per replay of a step graph on padding rows (captures it if needed)."""
+    def time_graph(self, method: str, budget: int, bucket: int, greedy: bool = True, reps: int = 10,
+                   context: int = 512) -> float:
+        """Seconds per replay of a step graph on padding rows at position ``context`` (so attention
+        reads a realistic prefix); captures the graph if needed."""
+        context = max(0, min(context, self.max_context - self.lookahead(method, budget) - 1))
         kind = StepKind(method, budget if method == "ddtree" else 0, "greedy" if greedy else "sample",
                         self.drafter_kv is not None)
         graph = self._graph(kind, bucket)
-        graph.replay([])
+        graph.replay([], context)
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         for _ in range(reps):
-            graph.replay([])
+            graph.replay([], context)
         end.record()
         end.synchronize()
         return start.elapsed_time(end) / 1e3 / reps
