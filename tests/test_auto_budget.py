@@ -1,0 +1,67 @@
+"""budget="auto": the controller's choices, and losslessness while steps switch methods."""
+import itertools
+
+from ddtree.engine.auto_budget import AutoBudget, auto_candidates
+from ddtree.engine.llm import SHIPPED_DRAFTERS
+
+from conftest import GREEDY_64, make_llm
+
+SHIPPED = SHIPPED_DRAFTERS / "SmolLM2-135M-Instruct-DFlash"
+
+
+def run(controller, n, steps, tau, cost):
+    seen = []
+    for _ in range(steps):
+        cand = controller.choose(n)
+        seen.append(cand)
+        controller.observe(n, cand, cost(n, cand), tau(cand))
+    return seen
+
+
+def tree_tau(cand):
+    return {"ar": 1.0, "dflash": 1.5}.get(cand[0], 1.6 + cand[1] / 200)
+
+
+def test_candidates():
+    assert auto_candidates(64, has_drafter=True) == [("ar", 0), ("dflash", 0), ("ddtree", 8), ("ddtree", 16),
+                                                     ("ddtree", 32), ("ddtree", 64)]
+    assert auto_candidates(48, has_drafter=True)[-1] == ("ddtree", 48)
+    assert auto_candidates(64, has_drafter=False) == [("ar", 0)]
+
+
+def test_picks_trees_when_cheap_and_plain_decoding_under_load():
+    controller = AutoBudget(auto_candidates(64, True), bucket_of=lambda n: n)
+
+    def cost(n, cand):  # verify cost grows with the tokens verified, steeply at large batches
+        tokens = {"ar": 1, "dflash": 16}.get(cand[0], cand[1] + 1)
+        return 1.0 + (0.002 if n == 1 else 0.05) * tokens * n
+
+    run(controller, 1, 200, tree_tau, cost)
+    assert controller.best(1) == ("ddtree", 64)
+    run(controller, 32, 200, tree_tau, cost)
+    assert controller.best(32) == ("ar", 0)
+    late = run(controller, 32, 64, tree_tau, cost)
+    assert late.count(("ar", 0)) >= 62  # explores rarely, and only plausible neighbours
+
+
+def test_tau_is_monotone_in_the_budget():
+    controller = AutoBudget(auto_candidates(32, True), bucket_of=lambda n: n, min_tries=1)
+    for cand, tau in [(("ar", 0), 1.0), (("dflash", 0), 1.5), (("ddtree", 8), 2.0), (("ddtree", 16), 1.2),
+                      (("ddtree", 32), 1.1)]:
+        controller.observe(1, cand, 1.0, tau)
+    assert controller.tau_estimate(("ddtree", 32)) == 2.0  # a 32-node tree holds the 8-node one
+    assert controller.tau_estimate(("dflash", 0)) == 1.5
+
+
+def test_switching_methods_every_step_stays_lossless(smol, tokenizer, prompts, ar_reference):
+    """Auto moves between plain decoding, the chain and trees step by step; the drafter's context
+    must stay right across those switches (plain steps store it too)."""
+    llm = make_llm(smol, tokenizer, method="ddtree", budget="auto", drafter=SHIPPED, max_budget=32)
+    cycle = itertools.cycle(llm.engine.auto.candidates)
+    llm.engine.auto.choose = lambda n: next(cycle)
+    outs = llm.generate(prompts[:6], GREEDY_64)
+    for p, o in zip(prompts[:6], outs):
+        assert o.token_ids == ar_reference[tuple(p)]
+    assert len(set(llm.engine.step_choices)) == len(llm.engine.auto.candidates)
+    lens = [n for o in outs for n in o.metrics.accepted_lengths]
+    assert sum(lens) / len(lens) > 1.3  # speculative steps accepted tokens (context was right)
