@@ -17,12 +17,6 @@ from ddtree.context import AttentionContext
 from ddtree.kernels import triton_enabled
 
 
-def store_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-             slot_mapping: torch.Tensor) -> None:
-    k_cache.index_copy_(0, slot_mapping, k.to(k_cache.dtype))
-    v_cache.index_copy_(0, slot_mapping, v.to(v_cache.dtype))
-
-
 def reference_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                         ctx: AttentionContext, scale: float) -> torch.Tensor:
     """Padded torch path: queries into [N, H, Q, D], keys gathered into [N, K]; one SDPA call."""
