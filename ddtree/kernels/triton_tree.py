@@ -30,10 +30,9 @@ def _sort_key(score, tie):
 
 @triton.jit
 def _build_tree_kernel(LP, TOK, SIZES, OFFS, PAIR_J, PAIR_R,
-                       ALL_SCORE, ALL_TOK, ALL_PAR, INV, KEYS, OUT_TOK, OUT_PAR, OUT_DEP,
+                       ALL_SCORE, ALL_TOK, ALL_PAR, INV, OUT_TOK, OUT_PAR, OUT_DEP,
                        D: tl.constexpr, K: tl.constexpr, N_NODES: tl.constexpr, TOTAL: tl.constexpr,
-                       CAND: tl.constexpr, KP2: tl.constexpr, TOTAL_P2: tl.constexpr,
-                       RANK: tl.constexpr, CHUNK: tl.constexpr):
+                       CAND: tl.constexpr, KP2: tl.constexpr, TOTAL_P2: tl.constexpr):
     n = tl.program_id(0).to(tl.int64)
     lp = LP + n * D * K
     tok = TOK + n * D * K
@@ -41,7 +40,6 @@ def _build_tree_kernel(LP, TOK, SIZES, OFFS, PAIR_J, PAIR_R,
     all_tok = ALL_TOK + n * TOTAL_P2
     all_par = ALL_PAR + n * TOTAL_P2
     inv = INV + n * TOTAL_P2
-    keys = KEYS + n * CAND
 
     # Depth 1: the K best tokens, already in order.
     r = tl.arange(0, KP2)
@@ -61,28 +59,15 @@ def _build_tree_kernel(LP, TOK, SIZES, OFFS, PAIR_J, PAIR_R,
         valid = (pj < n_prev) & ((pj + 1) * (pr + 1) <= n_d)
         score = tl.load(all_score + off_prev + pj, mask=valid, other=0.0) + tl.load(lp + d * K + pr, mask=valid, other=0.0)
         key = tl.where(valid, _sort_key(score, pj * K + pr), -9223372036854775807 - 1)
-        if RANK:
-            # Rank by counting larger keys (keys of valid pairs are unique), then scatter.
-            tl.store(keys + c, key)
-            tl.debug_barrier()
-            rank = tl.zeros([CAND], tl.int32)
-            for start in range(0, CAND, CHUNK):
-                other = tl.load(keys + start + tl.arange(0, CHUNK))
-                rank += tl.sum((other[None, :] > key[:, None]).to(tl.int32), 1)
-            keep = valid & (rank < n_d)
-            tl.store(all_score + off + rank, score, mask=keep)
-            tl.store(all_tok + off + rank, tl.load(tok + d * K + pr, mask=keep, other=0), mask=keep)
-            tl.store(all_par + off + rank, (off_prev + pj).to(tl.int32), mask=keep)
-        else:
-            key = tl.sort(key, descending=True)
-            flat = 2147483647 - (key & 0xFFFFFFFF).to(tl.int32)
-            j = flat // K
-            rr = flat % K
-            keep = c < n_d
-            score = tl.load(all_score + off_prev + j, mask=keep, other=0.0) + tl.load(lp + d * K + rr, mask=keep, other=0.0)
-            tl.store(all_score + off + c, score, mask=keep)
-            tl.store(all_tok + off + c, tl.load(tok + d * K + rr, mask=keep, other=0), mask=keep)
-            tl.store(all_par + off + c, (off_prev + j).to(tl.int32), mask=keep)
+        key = tl.sort(key, descending=True)
+        flat = 2147483647 - (key & 0xFFFFFFFF).to(tl.int32)
+        j = flat // K
+        rr = flat % K
+        keep = c < n_d
+        score = tl.load(all_score + off_prev + j, mask=keep, other=0.0) + tl.load(lp + d * K + rr, mask=keep, other=0.0)
+        tl.store(all_score + off + c, score, mask=keep)
+        tl.store(all_tok + off + c, tl.load(tok + d * K + rr, mask=keep, other=0), mask=keep)
+        tl.store(all_par + off + c, (off_prev + j).to(tl.int32), mask=keep)
         tl.debug_barrier()
 
     # Global order over every beam entry: score desc, then concatenation position asc.
@@ -130,7 +115,7 @@ def _plan(budget: int, depth: int, vocab: int, device):
     return _PLANS[key]
 
 
-def build_tree_triton(logprobs: torch.Tensor, budget: int, rank: bool = False, num_warps: int | None = None):
+def build_tree_triton(logprobs: torch.Tensor, budget: int, num_warps: int | None = None):
     """``build_tree_batched`` in one launch: logprobs [N, D, V] -> (tokens, parents, depths) [N, B']."""
     N, D, V = logprobs.shape
     device = logprobs.device
@@ -147,12 +132,11 @@ def build_tree_triton(logprobs: torch.Tensor, budget: int, rank: bool = False, n
     all_tok = torch.empty(N, total_p2, device=device, dtype=torch.long)
     all_par = torch.empty(N, total_p2, device=device, dtype=torch.int32)
     inv = torch.empty(N, total_p2, device=device, dtype=torch.int32)
-    keys = torch.empty(N, cand, device=device, dtype=torch.long)
     out = [torch.empty(N, n_nodes, device=device, dtype=torch.long) for _ in range(3)]
     _build_tree_kernel[(N,)](
-        lp, tok, sizes, offs, pair_j, pair_r, all_score, all_tok, all_par, inv, keys, *out,
+        lp, tok, sizes, offs, pair_j, pair_r, all_score, all_tok, all_par, inv, *out,
         D=D, K=K, N_NODES=n_nodes, TOTAL=total, CAND=cand, KP2=triton.next_power_of_2(K),
-        TOTAL_P2=total_p2, RANK=rank, CHUNK=min(cand, max(16, 8192 // cand)),
+        TOTAL_P2=total_p2,
         num_warps=num_warps or (4 if total_p2 <= 1024 else 8))
     return tuple(out)
 
