@@ -96,12 +96,14 @@ CASES = [
 @needs_kernels
 @pytest.mark.parametrize("name,cached,new,mask", CASES, ids=[c[0] for c in CASES])
 @pytest.mark.parametrize("group", [1, 3])
-def test_tree_attention_matches_float64(name, cached, new, mask, group):
+@pytest.mark.parametrize("splits", [1, 4])
+def test_tree_attention_matches_float64(name, cached, new, mask, group, splits):
+    """splits=4: keys in 4 ranges merged by log-sum-exp (some ranges empty for short sequences)."""
     gen = torch.Generator().manual_seed(len(name) * 7 + group)
     q, k, v, ctx = make_case(gen, cached, new, mask, heads=2 * group, kv_heads=2)
     scale = 0.25
     want = float64_attention(q, k, v, ctx, scale)
-    got = tree_attention(q, k, v, ctx, scale).cpu().double()
+    got = tree_attention(q, k, v, ctx, scale, splits=splits).cpu().double()
     ref = reference_attention(q, k, v, ctx, scale).cpu().double()
     assert (got - want).abs().max() < 1e-5
     assert (ref - want).abs().max() < 1e-5
@@ -113,8 +115,22 @@ def test_tree_attention_bf16_close_to_float64():
     gen = torch.Generator().manual_seed(3)
     q, k, v, ctx = make_case(gen, [100, 3, 57], 65, "tree", heads=9, kv_heads=3, dim=64, dtype=torch.bfloat16)
     want = float64_attention(q, k, v, ctx, 0.125)
-    got = tree_attention(q, k, v, ctx, 0.125).cpu().double()
-    assert (got - want).abs().max() < 2e-2
+    for splits in (1, 2, 8):
+        got = tree_attention(q, k, v, ctx, 0.125, splits=splits).cpu().double()
+        assert (got - want).abs().max() < 2e-2, splits
+
+
+@needs_kernels
+def test_split_merge_repeats_exactly():
+    """The last split of a tile merges (ticket counter): repeated launches, which reuse the
+    counters, give the same result as one key range (a race or a counter left set would not)."""
+    gen = torch.Generator().manual_seed(11)
+    q, k, v, ctx = make_case(gen, [300, 45, 130], 9, "tree", heads=6, kv_heads=2, dim=16)
+    want = tree_attention(q, k, v, ctx, 0.25, splits=1)
+    for splits in (2, 8, 8, 32, 2):
+        for _ in range(3 if CUDA else 1):
+            got = tree_attention(q, k, v, ctx, 0.25, splits=splits)
+            assert (got - want).abs().max() < 1e-5, splits
 
 
 @needs_kernels

@@ -13,6 +13,7 @@ import statistics
 import time
 from pathlib import Path
 
+from ddtree.engine.runner import GRAPH_BUCKETS
 from ddtree.engine.sampling_params import SamplingParams
 
 
@@ -47,7 +48,7 @@ def run_closed_loop(llm, prompt_ids, method, budget, temperature, max_tokens, co
     pending = list(prompt_ids)
     in_flight, done = [], []
     start = time.perf_counter()
-    started = {}
+    started, first = {}, {}
     while pending or in_flight:
         while pending and len(in_flight) < concurrency:
             seq = engine.add_request(pending.pop(0), SamplingParams(temperature=temperature, max_tokens=max_tokens,
@@ -57,6 +58,9 @@ def run_closed_loop(llm, prompt_ids, method, budget, temperature, max_tokens, co
             in_flight.append(seq)
         engine.step()
         now = time.perf_counter()
+        for seq in in_flight:
+            if seq.seq_id not in first and seq.num_output_tokens:
+                first[seq.seq_id] = (now, seq.num_output_tokens)
         for seq in [s for s in in_flight if s.is_finished]:
             in_flight.remove(seq)
             done.append((seq, now - started[seq.seq_id]))
@@ -68,8 +72,13 @@ def run_closed_loop(llm, prompt_ids, method, budget, temperature, max_tokens, co
     lengths = [n for s, _ in done for n in s.metrics.accepted_lengths]
     split = {**runner.timer.totals, **runner.stage_seconds}
     split["other"] = max(0.0, wall - sum(split.values()))  # host: scheduling, inputs, bookkeeping
+    # Decode speed of a request after its first step (prefill and first token excluded), like
+    # 1 / time-per-output-token.
+    decode = [(s.num_output_tokens - first[s.seq_id][1]) / (started[s.seq_id] + t - first[s.seq_id][0])
+              for s, t in done if s.num_output_tokens > first[s.seq_id][1]]
     return {"wall_s": wall, "tokens": tokens, "tokens_per_s": tokens / wall,
             "per_request_tokens_per_s": statistics.median(s.num_output_tokens / t for s, t in done),
+            "per_request_decode_tokens_per_s": statistics.median(decode) if decode else None,
             "tau": sum(lengths) / len(lengths), "verify_steps": len(lengths),
             "engine_decode_steps": runner.decode_calls - calls0,
             "split_s": split, "auto_choices": {f"{m}:{b}": k for (m, b), k in engine.step_choices.items()}}
@@ -84,9 +93,12 @@ def bench(llm, prompts: dict[str, list[list[int]]], methods, concurrency, temper
         for t in temperatures:
             for c in concurrency:
                 for method, budget in methods:
-                    # Warm-up (kernels, CUDA-graph captures for every batch size the run drains
-                    # through, auto's first tries), then repeats; the median is reported.
-                    run_closed_loop(llm, ids[:c], method, budget, t, 16, c)
+                    # Warm-up (kernels, auto's first tries, and a CUDA-graph capture for every
+                    # batch bucket up to c, since a run drains through the smaller ones: a capture
+                    # inside a timed run costs more than the run), then repeats; median reported.
+                    graphs = llm.engine.runner.use_graphs
+                    for b in [b for b in GRAPH_BUCKETS if b < c and graphs] + [c]:
+                        run_closed_loop(llm, ids[:b], method, budget, t, 4 if b < c else 16, b)
                     batch = ids[:max(per_run(c), c)]
                     runs = [run_closed_loop(llm, batch, method, budget, t, max_tokens, c) for _ in range(repeats)]
                     best = sorted(runs, key=lambda r: r["tokens_per_s"])[len(runs) // 2]
@@ -94,7 +106,8 @@ def bench(llm, prompts: dict[str, list[list[int]]], methods, concurrency, temper
                     # the fixed methods' steps, and its per-stage graphs would be captured mid-run).
                     if llm.engine.runner.use_graphs and budget != "auto":
                         llm.engine.runner.profile_stages = True
-                        run_closed_loop(llm, ids[:c], method, budget, t, 16, c)  # captures
+                        for b in [b for b in GRAPH_BUCKETS if b < c] + [c]:  # captures
+                            run_closed_loop(llm, ids[:b], method, budget, t, 4, b)
                         prof = run_closed_loop(llm, batch, method, budget, t, max_tokens, c)
                         best["split_s"], best["split_steps"] = prof["split_s"], prof["engine_decode_steps"]
                         llm.engine.runner.profile_stages = False
@@ -105,7 +118,7 @@ def bench(llm, prompts: dict[str, list[list[int]]], methods, concurrency, temper
                     if on_row:
                         on_row(rows)
                     print(f"{name:9s} T={t:g} c={c:3d} {label(method, budget):13s} {row['tokens_per_s']:9.1f} tok/s "
-                          f"tau={row['tau']:.2f} {row['auto_choices'] if budget == 'auto' else ''}", flush=True)
+                          f"(decode/request {row['per_request_decode_tokens_per_s'] or 0:7.1f}) tau={row['tau']:.2f} {row['auto_choices'] if budget == 'auto' else ''}", flush=True)
                 ar = next((r for r in rows[-len(methods):] if r["method"] == "ar"), None)
                 for r in rows[-len(methods):]:
                     r["speedup_vs_ar"] = r["tokens_per_s"] / ar["tokens_per_s"] if ar else None

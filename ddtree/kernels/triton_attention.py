@@ -5,6 +5,14 @@ query heads that share the KV head stacked as rows (GQA: K/V are read once per g
 the sequence's keys page by page straight from the cache (no gather), applies the context's mask
 to the new keys (causal, full, or the dense ancestor mask of a tree) and keeps an online softmax.
 All lengths are read from tensors, so the launch is CUDA-graph safe.
+
+When there are fewer programs than SMs (small batches, long prefixes), the keys are split into
+``splits`` ranges, one program each (flash-decoding). Each writes its partial output and
+log-sum-exp, then takes a ticket from a per-tile counter; the program that arrives last merges
+the partials and resets the counter (no second launch: at batch 1 a step is launch-bound). The
+split count is fixed at launch (graph safe); each split's range is derived from the real length,
+so short sequences just leave the last splits empty. Launches must not overlap in time (one
+stream), since tiles of consecutive launches share the counters.
 """
 from __future__ import annotations
 
@@ -19,13 +27,14 @@ _MASK_IDS = {"causal": 0, "full": 1, "tree": 2}
 
 @triton.jit
 def _tree_attention_kernel(
-        Q, K, V, O, tables, cached_lens, query_start, tree_mask, scale_log2,
+        Q, K, V, O, P, LSE, tickets, tables, cached_lens, query_start, tree_mask, scale_log2,
         stride_qt, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh, stride_ot, stride_oh,
-        stride_tab, stride_cl, stride_mn, stride_mq,
+        stride_ps, stride_pt, stride_ph, stride_ls, stride_lt, stride_tab, stride_cl, stride_mn, stride_mq,
         PAGE: tl.constexpr, GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-        HEAD_DIM: tl.constexpr, MASK: tl.constexpr, IEEE: tl.constexpr):
+        HEAD_DIM: tl.constexpr, MASK: tl.constexpr, IEEE: tl.constexpr, SPLITS: tl.constexpr):
     seq = tl.program_id(0)
-    kvh = tl.program_id(2)
+    kvh = tl.program_id(2) // SPLITS
+    split = tl.program_id(2) % SPLITS
     QPB: tl.constexpr = BLOCK_M // GROUP  # queries per program
     q0 = tl.load(query_start + seq)
     n_new = tl.load(query_start + seq + 1) - q0
@@ -45,13 +54,17 @@ def _tree_attention_kernel(
     else:
         kv_end = ctx_len + n_new
     kv_end = tl.where(first_q < n_new, kv_end, 0)
+    # This split's key range: equal shares rounded to whole key tiles.
+    chunk = tl.cdiv(tl.cdiv(kv_end, SPLITS), BLOCK_N) * BLOCK_N
+    kv_lo = split * chunk
+    kv_hi = tl.minimum(kv_end, kv_lo + chunk)
 
     m_i = tl.full([BLOCK_M], -1.0e30, tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
-    for start in range(0, kv_end, BLOCK_N):
+    for start in range(kv_lo, kv_hi, BLOCK_N):
         pos = start + tl.arange(0, BLOCK_N)
-        in_range = pos < kv_end
+        in_range = pos < kv_hi
         page = tl.load(tables + seq * stride_tab + pos // PAGE, mask=in_range, other=0)
         slot = page.to(tl.int64) * PAGE + pos % PAGE
         k = tl.load(K + slot[:, None] * stride_ks + kvh * stride_kh + d[None, :], mask=in_range[:, None], other=0.0)
@@ -83,28 +96,108 @@ def _tree_attention_kernel(
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
         m_i = m_new
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
-    tl.store(O + (q0 + qi)[:, None].to(tl.int64) * stride_ot + head[:, None] * stride_oh + d[None, :],
-             out.to(O.dtype.element_ty), mask=row_ok[:, None])
+    t = (q0 + qi).to(tl.int64)
+    o_ptrs = O + t[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :]
+    if SPLITS == 1:
+        tl.store(o_ptrs, out.to(O.dtype.element_ty), mask=row_ok[:, None])
+    else:
+        p_ptrs = P + t[:, None] * stride_pt + head[:, None] * stride_ph + d[None, :]
+        l_ptrs = LSE + t * stride_lt + head
+        tl.store(p_ptrs + split * stride_ps, out, mask=row_ok[:, None])
+        # log2-sum-exp of this split's scores; an empty split weighs nothing
+        lse = tl.where(l_i > 0, m_i + tl.log2(tl.where(l_i > 0, l_i, 1.0)), -1.0e30)
+        tl.store(l_ptrs + split * stride_ls, lse, mask=row_ok)
+        tl.debug_barrier()  # every thread's partial is written before the ticket (release)
+        tile = (seq * tl.num_programs(1) + tl.program_id(1)) * (tl.num_programs(2) // SPLITS) + kvh
+        ticket = tl.atomic_add(tickets + tile, 1, sem="acq_rel")
+        if ticket == SPLITS - 1:  # last to arrive: merge (.cg reads bypass L1, see other SMs' writes)
+            m_all = tl.full([BLOCK_M], -1.0e30, tl.float32)
+            l_all = tl.zeros([BLOCK_M], tl.float32)
+            acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+            for s in range(SPLITS):
+                lse_s = tl.load(l_ptrs + s * stride_ls, mask=row_ok, other=-1.0e30, cache_modifier=".cg")
+                part = tl.load(p_ptrs + s * stride_ps, mask=row_ok[:, None], other=0.0, cache_modifier=".cg")
+                m_new = tl.maximum(m_all, lse_s)
+                a = tl.exp2(m_all - m_new)
+                b = tl.exp2(lse_s - m_new)
+                acc = acc * a[:, None] + part * b[:, None]
+                l_all = l_all * a + b
+                m_all = m_new
+            tl.store(o_ptrs, (acc / l_all[:, None]).to(O.dtype.element_ty), mask=row_ok[:, None])
+            tl.atomic_xchg(tickets + tile, 0)
+
+
+_SM_COUNT: dict[int, int] = {}
+_TICKETS: dict[torch.device, torch.Tensor] = {}
+MAX_SPLIT_TILES = 4096  # (sequence, query tile, KV head) tiles of one split launch
+
+
+def _tickets(device: torch.device) -> torch.Tensor:
+    """Zeroed counters, shared by all launches on the device (each merge resets its own)."""
+    t = _TICKETS.get(device)
+    if t is None:
+        t = _TICKETS[device] = torch.zeros(MAX_SPLIT_TILES, dtype=torch.int32, device=device)
+    return t
+
+
+def kv_splits_for(programs: int, max_keys: int, max_queries: int, device: torch.device) -> int:
+    """Key ranges per program: grow (powers of two, at most 32, at least 64 keys each) while the
+    grid stays under 4 programs per SM for decode (memory-latency bound) or 2 per SM for trees
+    and prefill (more math per key). Tuned on the H200 (bench/results/attention_sweep_h200.json)."""
+    if device.type != "cuda":
+        return 1
+    sms = _SM_COUNT.get(device.index)
+    if sms is None:
+        sms = _SM_COUNT[device.index] = torch.cuda.get_device_properties(device).multi_processor_count
+    target = (4 if max_queries == 1 else 2) * sms
+    splits = 1
+    while (splits < 32 and programs * splits * 2 <= target and max_keys >= splits * 2 * 64
+           and programs <= MAX_SPLIT_TILES):
+        splits *= 2
+    return splits
+
+
+def launch_plan(q: torch.Tensor, k_cache: torch.Tensor, ctx: AttentionContext) -> tuple[int, int, int]:
+    """(rows per program, query tiles, key splits) of a launch."""
+    group = q.shape[1] // k_cache.shape[1]
+    block_m = min(64, max(16, triton.next_power_of_2(ctx.max_queries * group)))
+    block_m = max(block_m, triton.next_power_of_2(group))
+    q_tiles = triton.cdiv(ctx.max_queries, block_m // group)
+    return block_m, q_tiles, kv_splits_for(ctx.num_seqs * q_tiles * k_cache.shape[1], ctx.max_keys,
+                                           ctx.max_queries, q.device)
 
 
 def tree_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                   ctx: AttentionContext, scale: float) -> torch.Tensor:
-    """q [T, H, D] (new tokens, K/V already in the cache) -> [T, H, D]."""
+                   ctx: AttentionContext, scale: float, splits: int | None = None) -> torch.Tensor:
+    """q [T, H, D] (new tokens, K/V already in the cache) -> [T, H, D]. ``splits``: key ranges
+    per (sequence, head, query tile); None chooses from the grid size and ``ctx.max_keys``."""
     T, H, D = q.shape
     kv_heads = k_cache.shape[1]
     group = H // kv_heads
-    block_m = min(64, max(16, triton.next_power_of_2(ctx.max_queries * group)))
-    block_m = max(block_m, triton.next_power_of_2(group))
+    block_m, q_tiles, auto_splits = launch_plan(q, k_cache, ctx)
+    splits = auto_splits if splits is None else splits
+    if splits & (splits - 1):
+        raise ValueError(f"splits must be a power of two, got {splits}")
     out = torch.empty_like(q)
+    if splits > 1:
+        if ctx.num_seqs * q_tiles * kv_heads > MAX_SPLIT_TILES:
+            raise ValueError(f"splits > 1 supports at most {MAX_SPLIT_TILES} tiles per launch")
+        partial = torch.empty((splits, *q.shape), device=q.device, dtype=torch.float32)
+        lse = torch.empty((splits, T, H), device=q.device, dtype=torch.float32)
+        tickets = _tickets(q.device)
+    else:
+        partial = lse = tickets = out  # unused
     tree_mask = ctx.tree_mask if ctx.mask == "tree" else ctx.cached_lens
     mask_strides = (tree_mask.stride(0), tree_mask.stride(1)) if ctx.mask == "tree" else (0, 0)
-    grid = (ctx.num_seqs, triton.cdiv(ctx.max_queries, block_m // group), kv_heads)
+    grid = (ctx.num_seqs, q_tiles, kv_heads * splits)
     _tree_attention_kernel[grid](
-        q, k_cache, v_cache, out, ctx.block_tables, ctx.cached_lens, ctx.query_start, tree_mask,
-        scale * 1.4426950408889634,
+        q, k_cache, v_cache, out, partial, lse, tickets, ctx.block_tables, ctx.cached_lens, ctx.query_start,
+        tree_mask, scale * 1.4426950408889634,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
-        out.stride(0), out.stride(1), ctx.block_tables.stride(0), ctx.cached_lens.stride(0), *mask_strides,
+        out.stride(0), out.stride(1), partial.stride(0), partial.stride(1) if splits > 1 else 0,
+        partial.stride(2) if splits > 1 else 0, lse.stride(0), lse.stride(1) if splits > 1 else 0,
+        ctx.block_tables.stride(0), ctx.cached_lens.stride(0), *mask_strides,
         PAGE=ctx.block_size, GROUP=group, BLOCK_M=block_m, BLOCK_N=64 if D <= 64 else 32,
-        HEAD_DIM=D, MASK=_MASK_IDS[ctx.mask], IEEE=q.dtype == torch.float32,
+        HEAD_DIM=D, MASK=_MASK_IDS[ctx.mask], IEEE=q.dtype == torch.float32, SPLITS=splits,
         num_warps=4)
     return out
