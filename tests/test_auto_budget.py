@@ -44,6 +44,25 @@ def test_picks_trees_when_cheap_and_plain_decoding_under_load():
     assert late.count(("ar", 0)) >= 62  # explores rarely, and only plausible neighbours
 
 
+def test_a_stall_does_not_freeze_out_the_best_candidate():
+    """A step that waited for a prefill is not timed, and one slow step (GC, another process)
+    does not move the cost estimate (median of recent steps), so the best tree stays the choice."""
+    controller = AutoBudget(auto_candidates(16, True), bucket_of=lambda n: n)
+
+    def cost(n, cand):
+        return {"ar": 1.0, "dflash": 1.2}.get(cand[0], 1.2)
+
+    run(controller, 1, 60, tree_tau, cost)
+    best = controller.best(1)
+    assert best == ("ddtree", 16)
+    before = controller.step_cost(1, best)
+    controller.observe(1, best, None, tree_tau(best))  # its wall time included a prefill
+    assert controller.step_cost(1, best) == before
+    controller.observe(1, best, 50 * before, tree_tau(best))  # a 50x stall
+    assert controller.step_cost(1, best) == before
+    assert controller.best(1) == best
+
+
 def test_tau_is_monotone_in_the_budget():
     controller = AutoBudget(auto_candidates(32, True), bucket_of=lambda n: n, min_tries=1)
     for cand, tau in [(("ar", 0), 1.0), (("dflash", 0), 1.5), (("ddtree", 8), 2.0), (("ddtree", 16), 1.2),

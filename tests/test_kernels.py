@@ -122,8 +122,8 @@ def test_tree_attention_bf16_close_to_float64():
 
 @needs_kernels
 def test_split_merge_repeats_exactly():
-    """The last split of a tile merges (ticket counter): repeated launches, which reuse the
-    counters, give the same result as one key range (a race or a counter left set would not)."""
+    """Key ranges merged by log-sum-exp give the one-range result, launch after launch, for
+    split counts from 2 to more ranges than the sequences have key tiles."""
     gen = torch.Generator().manual_seed(11)
     q, k, v, ctx = make_case(gen, [300, 45, 130], 9, "tree", heads=6, kv_heads=2, dim=16)
     want = tree_attention(q, k, v, ctx, 0.25, splits=1)

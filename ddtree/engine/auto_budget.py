@@ -5,8 +5,9 @@ budget b) commits about n * tau(c) tokens in cost(n, c) seconds, so the controll
 candidate with the largest tau(c) / cost(n, c):
 
 - cost: a curve per batch bucket measured at start-up (CUDA: replaying each captured step graph
-  on padding rows), replaced by the wall time of real steps as they run (EMA); a candidate not
-  yet run in a bucket gets its start-up figure plus the bucket's measured host overhead.
+  on padding rows), replaced by the wall time of real steps as they run (median of the last
+  few, so one stall cannot freeze a candidate out); a candidate not yet run in a bucket gets its
+  start-up figure plus the bucket's measured host overhead.
 - tau: tokens committed per sequence per step, averaged over real steps of that candidate (plain
   decoding is exactly 1), lifted to the best smaller tree's (a bigger tree contains it). Every
   candidate is tried ``min_tries`` times before the controller exploits, and
@@ -17,6 +18,9 @@ Larger batches make verification cost grow with the tree, so the choice slides f
 at concurrency 1 to small trees, the chain, or plain decoding when the GPU is saturated.
 """
 from __future__ import annotations
+
+import statistics
+from collections import deque
 
 AUTO_BUDGETS = (8, 16, 32, 64, 128)
 
@@ -36,22 +40,26 @@ class AutoBudget:
         self.bucket_of = bucket_of
         self.alpha, self.explore_every, self.explore_margin = alpha, explore_every, explore_margin
         self.tau: dict[tuple[str, int], float] = {("ar", 0): 1.0}
-        self.cost: dict[tuple[int, tuple[str, int]], float] = {}    # measured wall time per step
-        self.prior: dict[tuple[int, tuple[str, int]], float] = {}   # start-up profile
-        self.overhead: dict[int, float] = {}                        # wall - prior, per bucket
+        self.samples: dict[tuple[int, tuple[str, int]], deque] = {}  # recent wall times per step
+        self.prior: dict[tuple[int, tuple[str, int]], float] = {}    # start-up profile
+        self.overhead_samples: dict[int, deque] = {}                 # wall - prior, per bucket
         self.tries: dict[tuple[str, int], int] = {("ar", 0): min_tries}
         self.min_tries = min_tries
         self.steps = 0
         self.explore_up = True
 
-    def _ema(self, table: dict, key, value: float) -> None:
-        table[key] = value if key not in table else (1 - self.alpha) * table[key] + self.alpha * value
+    WINDOW = 9  # recent steps whose median is a candidate's cost
+
+    @property
+    def cost(self) -> dict:
+        return {key: statistics.median(s) for key, s in self.samples.items()}
 
     def step_cost(self, bucket: int, cand) -> float | None:
-        if (bucket, cand) in self.cost:
-            return self.cost[(bucket, cand)]
+        if (bucket, cand) in self.samples:
+            return statistics.median(self.samples[(bucket, cand)])
         if (bucket, cand) in self.prior:
-            return self.prior[(bucket, cand)] + self.overhead.get(bucket, 0.0)
+            over = self.overhead_samples.get(bucket)
+            return self.prior[(bucket, cand)] + (statistics.median(over) if over else 0.0)
         return None
 
     def tau_estimate(self, cand) -> float:
@@ -83,16 +91,21 @@ class AutoBudget:
                 return near
         return self.candidates[best]
 
-    def observe(self, n: int, cand, seconds: float, tokens_per_seq: float) -> None:
+    def observe(self, n: int, cand, seconds: float | None, tokens_per_seq: float) -> None:
+        """One step's outcome; seconds=None when its wall time is not its cost (a capture, a
+        prefill finishing inside it)."""
         bucket = self.bucket_of(n)
         self.tries[cand] = self.tries.get(cand, 0) + 1
         if cand != ("ar", 0):  # average the first tries, then an EMA
             alpha = max(self.alpha, 1.0 / self.tries[cand])
             self.tau[cand] = tokens_per_seq if cand not in self.tau else \
                 (1 - alpha) * self.tau[cand] + alpha * tokens_per_seq
-        self._ema(self.cost, (bucket, cand), seconds)
+        if seconds is None:
+            return
+        self.samples.setdefault((bucket, cand), deque(maxlen=self.WINDOW)).append(seconds)
         if (bucket, cand) in self.prior:
-            self._ema(self.overhead, bucket, max(0.0, seconds - self.prior[(bucket, cand)]))
+            self.overhead_samples.setdefault(bucket, deque(maxlen=self.WINDOW)).append(
+                max(0.0, seconds - self.prior[(bucket, cand)]))
 
     def best(self, n: int) -> tuple[str, int] | None:
         """The current choice without exploring (None until everything was tried)."""
