@@ -6,6 +6,11 @@ prompts one by one; concurrency c>1 submits them together with max_num_seqs=c. Ï
 per verify step, bonus included) comes from vLLM's own spec-decode counters.
 
     .venv/bin/python bench/vllm_plugin_bench.py            # writes bench/results/vllm_plugin_cpu.{json,png}
+    .venv/bin/python bench/vllm_plugin_bench.py --budget 8,16,32   # several tree budgets, one run
+
+With several budgets the DDTree engines are listed side by side as methods "ddtree-b8",
+"ddtree-b16", ... (one budget: method "ddtree"). The JSON starts with a "summary" table (tok/s, Ï„,
+ratio to DFlash per method and concurrency); "methods" holds the full rows with token ids.
 """
 from __future__ import annotations
 
@@ -28,6 +33,17 @@ def spec_config(method: str, drafter: str, budget: int, block: int):
     if method == "dflash":
         return {"method": "dflash", "model": drafter, "num_speculative_tokens": block - 1}
     return {"method": "ddtree", "model": drafter, "budget": budget}
+
+
+def expand_methods(methods: list[str], budgets: list[int]) -> list[tuple[str, str, int]]:
+    """(name, method, budget) per engine: "ddtree" becomes one engine per budget."""
+    out = []
+    for m in methods:
+        if m == "ddtree" and len(budgets) > 1:
+            out += [(f"ddtree-b{b}", m, b) for b in budgets]
+        else:
+            out.append((m, m, budgets[0]))
+    return out
 
 
 def counters(llm) -> dict:
@@ -101,7 +117,8 @@ def plot(results: dict, path: Path) -> None:
         ax.legend()
     meta = results["meta"]
     fig.suptitle(f"vLLM {meta['vllm']} CPU ({meta['threads']} threads), SmolLM2-135M fp32, HumanEval "
-                 f"{meta['num_prompts']} prompts x {meta['max_tokens']} tokens, greedy")
+                 f"{meta['num_prompts']} prompts x {meta['max_tokens']} tokens, greedy, DDTree budget "
+                 f"{meta['budget']}")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
@@ -109,7 +126,7 @@ def plot(results: dict, path: Path) -> None:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--methods", default="none,dflash,ddtree")
-    p.add_argument("--budget", type=int, default=16)
+    p.add_argument("--budget", default="16", help="tree budget(s), comma-separated: 8,16,32")
     p.add_argument("--num-prompts", type=int, default=8)
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--concurrency", default="1,4")
@@ -127,17 +144,19 @@ def main() -> None:
     target, drafter = (str(x) for x in default_paths())
     block = json.loads((Path(drafter) / "config.json").read_text())["block_size"]
     concurrency = [int(c) for c in args.concurrency.split(",")]
+    budgets = [int(b) for b in str(args.budget).split(",")]
     results = {"meta": {"vllm": "==".join(installed_vllm()), "target": target, "drafter": drafter,
-                        "budget": args.budget, "num_prompts": args.num_prompts, "max_tokens": args.max_tokens,
-                        "concurrency": concurrency, "threads": args.threads, "dataset": "humaneval",
-                        "temperature": 0.0, "dtype": "float32", "enforce_eager": True},
-               "methods": {}}
-    for method in args.methods.split(","):
-        job = {"method": method, "target": target, "spec": spec_config(method, drafter, args.budget, block),
+                        "budget": budgets[0] if len(budgets) == 1 else budgets,
+                        "dflash_draft_tokens": block - 1, "num_prompts": args.num_prompts,
+                        "max_tokens": args.max_tokens, "concurrency": concurrency, "threads": args.threads,
+                        "dataset": "humaneval", "temperature": 0.0, "dtype": "float32", "enforce_eager": True},
+               "summary": [], "methods": {}}
+    for name, method, budget in expand_methods(args.methods.split(","), budgets):
+        job = {"method": method, "target": target, "spec": spec_config(method, drafter, budget, block),
                "num_prompts": args.num_prompts, "max_tokens": args.max_tokens, "concurrency": concurrency}
-        results["methods"][method] = run_child(job, args.threads)["rows"]
-        for r in results["methods"][method]:
-            print(f"{method:7s} c={r['concurrency']}: {r['tokens_per_s']:6.2f} tok/s  tau {r['tau']:.2f}  "
+        results["methods"][name] = run_child(job, args.threads)["rows"]
+        for r in results["methods"][name]:
+            print(f"{name:10s} c={r['concurrency']}: {r['tokens_per_s']:6.2f} tok/s  tau {r['tau']:.2f}  "
                   f"({r['output_tokens']} tokens, {r['wall_s']:.1f} s)", flush=True)
     base = results["methods"].get("none")
     if base:
@@ -145,11 +164,23 @@ def main() -> None:
             for r, b in zip(rows, base):
                 r["same_tokens_as_no_spec"] = r["token_ids"] == b["token_ids"]
                 r["speedup_vs_no_spec"] = r["tokens_per_s"] / b["tokens_per_s"]
-    if "dflash" in results["methods"] and "ddtree" in results["methods"]:
-        results["ddtree_over_dflash"] = {
-            f"c={a['concurrency']}": a["tokens_per_s"] / b["tokens_per_s"]
-            for a, b in zip(results["methods"]["ddtree"], results["methods"]["dflash"])}
+    dflash = results["methods"].get("dflash")
+    trees = [m for m in results["methods"] if m.startswith("ddtree")]
+    if dflash and trees:
+        ratios = {m: {f"c={a['concurrency']}": a["tokens_per_s"] / b["tokens_per_s"]
+                      for a, b in zip(results["methods"][m], dflash)} for m in trees}
+        results["ddtree_over_dflash"] = ratios["ddtree"] if trees == ["ddtree"] else ratios
         print("DDTree / DFlash tokens/s:", results["ddtree_over_dflash"])
+    for method, rows in results["methods"].items():
+        for i, r in enumerate(rows):
+            row = {"method": method, "concurrency": r["concurrency"],
+                   "tokens_per_s": round(r["tokens_per_s"], 2), "tau": round(r["tau"], 3),
+                   "ms_per_step": round(1000 * r["wall_s"] / r["verify_steps"], 1) if r["verify_steps"] else None}
+            if dflash and method.startswith("ddtree"):
+                row["over_dflash"] = round(r["tokens_per_s"] / dflash[i]["tokens_per_s"], 3)
+            if "same_tokens_as_no_spec" in r:
+                row["same_tokens_as_no_spec"] = r["same_tokens_as_no_spec"]
+            results["summary"].append(row)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(results, indent=1))

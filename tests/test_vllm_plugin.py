@@ -138,6 +138,17 @@ def test_exported_drafter_loads_in_vllm_dflash(paths, plain):
     assert m["vllm:spec_decode_num_accepted_tokens"] > 0  # the drafter's taps line up with vLLM's
 
 
+def test_budget_below_drafter_depth_is_lossless(paths, plain):
+    # budget 4 < drafter depth 15: vLLM sizes the drafter's buffers and the scheduler's lookahead
+    # by num_speculative_tokens, so the plugin must keep it >= the depth (this used to corrupt
+    # memory); the trees still have 4 nodes.
+    spec = {"method": "ddtree", "model": paths[1], "budget": 4}
+    out = run_engine({"target": paths[0], "spec": spec, "jobs": ["greedy"], "prompts": SUBSET})
+    assert out["greedy"] == plain["greedy"][:SUBSET]
+    m = out["metrics"]
+    assert m["vllm:spec_decode_num_draft_tokens"] <= 4 * m["vllm:spec_decode_num_drafts"]
+
+
 def test_bad_speculative_configs_are_refused(paths):
     out = run_engine({"target": paths[0], "spec": {"method": "ddtree", "model": paths[1], "budget": 0},
                       "jobs": [], "expect_error": True})
@@ -186,6 +197,84 @@ def test_unsupported_params_names_each_feature():
     assert unsupported_params(SamplingParams(temperature=0.7, top_p=0.9, top_k=20, seed=1)) == []
     bad = unsupported_params(SamplingParams(repetition_penalty=1.1, logit_bias={1: 2.0}))
     assert [b.split("=")[0] for b in bad] == ["repetition_penalty", "logit_bias"]
+
+
+# ---- tree attention and top-k (no engine) ------------------------------------------------------
+def test_top_k_rows_equals_reference_selection():
+    import torch
+
+    from ddtree.tree import topk_per_depth
+    from ddtree.vllm.proposer import top_k_rows
+
+    g = torch.Generator().manual_seed(0)
+    for trial in range(120):
+        rows, vocab = int(torch.randint(1, 30, (), generator=g)), int(torch.randint(2, 400, (), generator=g))
+        x = torch.randn(rows, vocab, generator=g)
+        if trial % 3 == 0:  # many ties, also across the cut
+            x = torch.randint(-3, 1, (rows, vocab), generator=g).float()
+        if trial % 4 == 0:
+            x[x > 0.5] = float("-inf")
+        if trial % 5 == 0:  # -0.0 and +0.0 tie
+            x = torch.where(torch.rand(rows, vocab, generator=g) < 0.5, torch.tensor(0.0), torch.tensor(-0.0))
+        if trial % 2:
+            x = torch.log_softmax(x, dim=-1)
+        for k in {1, 2, 8, 16, vocab - 1, vocab, vocab + 2}:
+            got, want = top_k_rows(x, k), topk_per_depth(x, k)
+            assert torch.equal(got[1], want[1])
+            assert torch.equal(got[0].view(torch.int32), want[0].view(torch.int32))
+
+
+def test_tree_attention_over_paged_cache_equals_dense_reference():
+    import torch
+    from types import SimpleNamespace
+
+    from vllm import _custom_ops as ops
+    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+    from ddtree.tree import ancestor_mask
+    from ddtree.vllm.attention import StepMasks, cache_layout, tree_attention
+
+    torch.manual_seed(0)
+    heads, kv_heads, head, block_size, num_blocks = 6, 2, 64, 32, 40
+    isa = _get_attn_isa(torch.float32, block_size, head)
+    cache = torch.zeros(num_blocks, kv_heads, block_size, 2 * head)
+    key_cache, value_cache = cache.view(num_blocks, kv_heads, 2 * block_size, head).chunk(2, dim=2)
+    layout = cache_layout(isa, block_size, head, torch.float32)
+    # Runs of equal tree sizes are batched; a plain decode and a prompt chunk go alone.
+    q_lens, lengths = [9, 9, 9, 1, 20, 5], [70, 9, 140, 33, 20, 64]
+    masks, starts, table, free = [], [0], torch.zeros(len(q_lens), 8, dtype=torch.int32), torch.randperm(num_blocks)
+    keys, values = [], []
+    for r, (q, length) in enumerate(zip(q_lens, lengths)):
+        if q in (9, 5):
+            parents = torch.tensor([0] + [int(torch.randint(0, i, ())) for i in range(1, q)])
+            masks.append(ancestor_mask(parents[None], q)[0])
+        else:
+            masks.append(None)
+        n = (length + block_size - 1) // block_size
+        table[r, :n], free = free[:n].int(), free[n:]
+        slots = table[r].long()[torch.arange(length) // block_size] * block_size + torch.arange(length) % block_size
+        k, v = torch.randn(length, kv_heads, head), torch.randn(length, kv_heads, head)
+        ops.cpu_attn_reshape_and_cache(k, v, key_cache, value_cache, slots, isa, k_scale=1.0, v_scale=1.0,
+                                       kv_cache_dtype="auto")
+        keys.append(k)
+        values.append(v)
+        starts.append(starts[-1] + q)
+    query = torch.randn(starts[-1], heads, head)
+    meta = SimpleNamespace(query_start_loc=torch.tensor(starts, dtype=torch.int32),
+                           seq_lens=torch.tensor(lengths, dtype=torch.int32), block_table=table)
+    step = StepMasks(masks, frozenset())
+    plans = step.plan(meta, heads // kv_heads, block_size, torch.float32)
+    assert [(p.count, p.q) for p in plans] == [(3, 9), (1, 1), (1, 20), (1, 5)]
+    out = torch.full_like(query, float("nan"))
+    tree_attention(query, cache, layout, plans, 0.125, out)
+    for r, (q, length) in enumerate(zip(q_lens, lengths)):
+        own = masks[r] if masks[r] is not None else torch.ones(q, q, dtype=torch.bool).tril()
+        allowed = torch.cat([torch.ones(q, length - q, dtype=torch.bool), own], dim=1)
+        k = keys[r].repeat_interleave(heads // kv_heads, dim=1).transpose(0, 1)  # [Hq, L, D]
+        v = values[r].repeat_interleave(heads // kv_heads, dim=1).transpose(0, 1)
+        scores = query[starts[r]:starts[r + 1]].transpose(0, 1) @ k.transpose(1, 2) * 0.125
+        want = torch.softmax(scores.masked_fill(~allowed, float("-inf")), dim=-1) @ v
+        torch.testing.assert_close(out[starts[r]:starts[r + 1]], want.transpose(0, 1), rtol=1e-5, atol=1e-5)
 
 
 # ---- child process -------------------------------------------------------------------------------

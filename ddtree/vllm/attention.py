@@ -11,9 +11,25 @@ from __future__ import annotations
 
 import functools
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
+
+
+@dataclass
+class AttentionPlan:
+    """One attention call of a verify forward, the same for every target layer: ``count``
+    requests with ``q`` rows each, on consecutive rows q0..q1 of the batch (a run of tree
+    requests of one budget is batched into one call; other requests get one call each)."""
+    q0: int
+    q1: int
+    q: int                      # rows per request
+    count: int
+    length: int                 # keys read per request: positions 0..length-1
+    blocks: torch.Tensor        # LongTensor [count * n]: each request's first n cache blocks
+    bias: torch.Tensor | None   # count == 1: [groups * q, q] additive mask (0 / -inf) over the
+                                # request's own rows (the last q keys), None when q == 1;
+                                # count > 1: [count, groups * q, length], over all keys
 
 
 @dataclass
@@ -22,6 +38,51 @@ class StepMasks:
     request's scheduled rows (row i may see row j)."""
     per_request: list[torch.Tensor | None]
     layer_names: frozenset[str]  # the target's attention layers (the drafter's keep the kernel)
+    _plans: dict = field(default_factory=dict, repr=False)
+
+    def plan(self, metadata, groups: int, block_size: int, dtype: torch.dtype) -> list[AttentionPlan]:
+        """Attention calls of this forward, built once: every target layer shares the metadata."""
+        key = (id(metadata), groups, block_size, dtype)
+        hit = self._plans.get(key)
+        if hit is not None and hit[0] is metadata:
+            return hit[1]
+        starts = metadata.query_start_loc.tolist()
+        seq_lens = metadata.seq_lens.tolist()
+        runs: list[list[int]] = []  # adjacent requests with the same (> 1) number of rows
+        last_q = 0
+        for r in range(len(self.per_request)):
+            q = starts[r + 1] - starts[r]
+            if q > 1 and q == last_q:
+                runs[-1].append(r)
+            elif q > 0:
+                runs.append([r])
+            last_q = q
+        plans = [self._run_plan(run, starts, seq_lens, metadata.block_table, groups, block_size, dtype)
+                 for run in runs]
+        self._plans[key] = (metadata, plans)
+        return plans
+
+    def _run_plan(self, run, starts, seq_lens, block_table, groups, block_size, dtype) -> AttentionPlan:
+        q = starts[run[0] + 1] - starts[run[0]]
+        length = max(seq_lens[r] for r in run)
+        n = (length + block_size - 1) // block_size
+        blocks = block_table[run[0]:run[-1] + 1, :n].long().reshape(-1)
+        own = []  # per request: [q, q] additive mask over its own rows
+        for r in run:
+            allowed = self.per_request[r]
+            allowed = torch.ones(q, q, dtype=torch.bool).tril() if allowed is None else allowed.cpu()
+            own.append(torch.zeros(q, q, dtype=dtype).masked_fill_(~allowed, float("-inf")))
+        if len(run) == 1:
+            bias = own[0].repeat(groups, 1) if q > 1 else None
+        else:
+            # Keys past a request's own length (it may be shorter than the longest) are masked.
+            bias = torch.full((len(run), q, length), float("-inf"), dtype=dtype)
+            for i, r in enumerate(run):
+                prefix = seq_lens[r] - q
+                bias[i, :, :prefix] = 0
+                bias[i, :, prefix:seq_lens[r]] = own[i]
+            bias = bias.repeat(1, groups, 1)
+        return AttentionPlan(starts[run[0]], starts[run[-1] + 1], q, len(run), length, blocks, bias)
 
 
 _state = threading.local()
@@ -101,21 +162,31 @@ def _as_block(index: torch.Tensor):
     return None
 
 
-def gather_tokens(regions: torch.Tensor, index: torch.Tensor, block_row: torch.Tensor,
-                  length: int) -> torch.Tensor:
-    """K (or V) of positions 0..length-1 of one request: [kv_heads, length, head]."""
+def gather_tokens(regions: torch.Tensor, index: torch.Tensor, blocks: torch.Tensor, count: int,
+                  length: int):
+    """K (or V) of positions 0..length-1 of ``count`` requests, read from their cache ``blocks``
+    ([count * n], n blocks each).
+
+    Returns (x, transposed): x is [count * kv_heads, length, head], or [count * kv_heads, head,
+    length] when the cache stores this plane transposed (no transpose copy is made then: the
+    caller multiplies by it as it is). n = 1: views of one index_select; else one more copy."""
     block_size, head = index.shape
-    n_blocks = (length + block_size - 1) // block_size
-    blocks = regions[block_row[:n_blocks].long()]  # [n, H, region]
+    num_blocks, kv_heads = regions.shape[:2]
+    n = blocks.numel() // count
     plane = _plane_of(index)
-    if plane is None:
-        x = blocks[:, :, index]  # [n, H, bs, D], any layout
+    if plane is None:  # any layout: gather element by element
+        x, transposed = regions.index_select(0, blocks)[:, :, index], False  # [count*n, H, bs, D]
     else:
         offset, transposed = plane
-        x = blocks[:, :, offset:offset + block_size * head]
-        x = (x.view(n_blocks, -1, head, block_size).transpose(-1, -2) if transposed
-             else x.view(n_blocks, -1, block_size, head))
-    return x.permute(1, 0, 2, 3).reshape(x.shape[1], n_blocks * block_size, head)[:, :length]
+        planes = regions[:, :, offset:offset + block_size * head]
+        shape = (head, block_size) if transposed else (block_size, head)
+        x = planes.view(num_blocks, kv_heads, *shape).index_select(0, blocks)
+    # [count*n, H, a, b] -> [count*H, a, n*bs] (transposed) or [count*H, n*bs, b]
+    if transposed:
+        x = x.view(count, n, kv_heads, head, block_size).permute(0, 2, 3, 1, 4)
+        return x.reshape(count * kv_heads, head, n * block_size)[:, :, :length], True
+    x = x.view(count, n, kv_heads, block_size, head).transpose(1, 2)
+    return x.reshape(count * kv_heads, n * block_size, head)[:, :length], False
 
 
 _planes: dict[int, tuple[int, bool] | None] = {}
@@ -138,33 +209,33 @@ def move_tokens(kv_cache: torch.Tensor, layout, src: torch.Tensor, dst: torch.Te
         regions[(dst // block_size)[:, None], :, dst_off] = values
 
 
-def tree_attention(query, kv_cache, layout, metadata, masks: StepMasks, scale: float, output):
-    """query [T, Hq, D]; writes output [T, Hq, D] row by row per request."""
+def tree_attention(query, kv_cache, layout, plans: list[AttentionPlan], scale: float, output):
+    """query [T, Hq, D]; writes output [T, Hq, D], one batched call per plan.
+
+    Every row attends to its request's committed prefix (no mask) and to the step's own rows
+    through the plan's additive bias. Grouped-query attention without repeating K/V: the query
+    heads sharing a KV head are stacked along the rows. Plain batched matmuls: faster than SDPA's
+    masked path at these sizes."""
     regions = block_regions(kv_cache)
     key_index, value_index = layout
-    starts = metadata.query_start_loc.tolist()
-    seq_lens = metadata.seq_lens.tolist()
-    heads = query.shape[1]
-    for r, step_mask in enumerate(masks.per_request):
-        q0, q1 = starts[r], starts[r + 1]
-        q_len, length = q1 - q0, seq_lens[r]
-        if q_len == 0:
-            continue
-        prefix = length - q_len
-        k = gather_tokens(regions, key_index, metadata.block_table[r], length)
-        v = gather_tokens(regions, value_index, metadata.block_table[r], length)
-        kv_heads = k.shape[0]
-        groups = heads // kv_heads
-        new = step_mask if step_mask is not None else torch.ones(
-            q_len, q_len, dtype=torch.bool, device=query.device).tril()
-        mask = torch.cat([torch.ones(q_len, prefix, dtype=torch.bool, device=query.device), new], 1)
-        # Grouped-query attention without repeating K/V: the query heads sharing a KV head are
-        # stacked along the rows. Plain matmuls: faster than SDPA's masked path for these sizes.
-        q = query[q0:q1].transpose(0, 1).reshape(kv_heads, groups * q_len, -1)
-        scores = torch.matmul(q, k.to(q.dtype).transpose(1, 2)) * scale
-        scores.masked_fill_(~mask.repeat(groups, 1), float("-inf"))
-        o = torch.matmul(torch.softmax(scores, dim=-1), v.to(q.dtype)).view(heads, q_len, -1)
-        output[q0:q1].copy_(o.transpose(0, 1))
+    heads, head = query.shape[1], query.shape[2]
+    kv_heads = kv_cache.shape[1]
+    groups = heads // kv_heads
+    for p in plans:
+        R, q = p.count, p.q
+        k, k_t = gather_tokens(regions, key_index, p.blocks, R, p.length)
+        v, v_t = gather_tokens(regions, value_index, p.blocks, R, p.length)
+        qs = torch.empty(R, heads, q, head, dtype=query.dtype, device=query.device)
+        torch.mul(query[p.q0:p.q1].view(R, q, heads, head).transpose(1, 2), scale, out=qs)
+        scores = torch.bmm(qs.view(R * kv_heads, groups * q, head), k if k_t else k.transpose(1, 2))
+        if p.bias is not None:
+            if R == 1:
+                scores[:, :, p.length - q:].add_(p.bias)
+            else:
+                scores.view(R, kv_heads, groups * q, -1).add_(p.bias[:, None])
+        probs = torch.softmax(scores, dim=-1)
+        o = torch.bmm(probs, v.transpose(1, 2) if v_t else v)  # [R*Hkv, G*q, D]
+        output[p.q0:p.q1].view(R, q, heads, head).copy_(o.view(R, heads, q, head).transpose(1, 2))
     return output
 
 
@@ -185,8 +256,10 @@ def install_attention_hook() -> None:
             raise ValueError("ddtree: tree attention supports plain causal attention only "
                              "(no sliding window, ALiBi, sinks, soft-cap or fp8 KV cache)")
         n = attn_metadata.num_actual_tokens
-        layout = cache_layout(layer.isa, kv_cache.shape[2], self.head_size, kv_cache.dtype)
-        tree_attention(query[:n], kv_cache, layout, attn_metadata, masks, self.scale, output[:n])
+        block_size = kv_cache.shape[2]
+        layout = cache_layout(layer.isa, block_size, self.head_size, kv_cache.dtype)
+        plans = masks.plan(attn_metadata, query.shape[1] // kv_cache.shape[1], block_size, query.dtype)
+        tree_attention(query[:n], kv_cache, layout, plans, self.scale, output[:n])
         return output
 
     forward._ddtree = True

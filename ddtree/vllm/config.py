@@ -3,7 +3,8 @@ what vLLM's closed config accepts.
 
 vLLM validates `method` against a fixed list, so the plugin rewrites a "ddtree" entry before vLLM
 builds its SpeculativeConfig: it becomes vLLM's own DFlash config (the drafter and its KV cache are
-vLLM's) with `num_speculative_tokens = budget` (the scheduler reserves room for the whole tree),
+vLLM's) with `num_speculative_tokens = max(budget, block_size - 1)` (the scheduler reserves room
+for the whole tree, and the drafter's buffers for its whole block),
 and the DDTree settings travel to the workers in `additional_config["ddtree"]`.
 """
 from __future__ import annotations
@@ -89,10 +90,29 @@ def install_config_hook() -> None:
                 raise ValueError(f"ddtree: a custom worker_cls ({target_parallel_config.worker_cls}) "
                                  "cannot be combined with the ddtree plugin")
             target_parallel_config.worker_cls = worker_class_for_platform()
+            result = original(self, target_model_config, target_parallel_config)
+            depth = drafter_depth(result)
+            if result.num_speculative_tokens < depth:
+                # One drafter pass always drafts `depth` positions, and vLLM sizes the drafter's
+                # buffers and the scheduler's lookahead slots by num_speculative_tokens: a smaller
+                # budget must not shrink them (the tree itself still has `budget` nodes).
+                from vllm.config import SpeculativeConfig
+
+                self.speculative_config["num_speculative_tokens"] = depth
+                result = SpeculativeConfig(**self.speculative_config)
+            return result
         return original(self, target_model_config, target_parallel_config)
 
     create_speculative_config._ddtree = True
     EngineArgs.create_speculative_config = create_speculative_config
+
+
+def drafter_depth(spec_config) -> int:
+    """Positions one drafter pass predicts: the DFlash block size minus one (the bonus slot)."""
+    block = getattr(spec_config.draft_model_config.hf_config, "block_size", None)
+    if not isinstance(block, int) or block < 2:
+        raise ValueError(f"ddtree: drafter config.json needs an integer block_size >= 2, got {block!r}")
+    return block - 1
 
 
 def settings_of(vllm_config) -> dict[str, Any] | None:

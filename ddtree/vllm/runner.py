@@ -3,7 +3,8 @@
 One engine step, for every request that got a draft tree in the previous step:
   verify   the scheduler sends root + tree nodes as "spec tokens"; positions are rewritten to
            start + depth and the target's attention uses the ancestor mask (attention.py)
-  accept   one target sample per node, then `ddtree.tree.accept_walk` (greedy or sampling);
+  accept   the acceptance walk of `ddtree.tree.accept_walk` (greedy or sampling), one depth at
+           a time, with target logits computed only for the nodes it visits;
            the accepted tokens + bonus go back to vLLM like the rejection sampler's output,
            so the scheduler's num_computed_tokens rollback stays right
   commit   accepted nodes' target K/V are moved into chain order (start, start+1, ...), and the
@@ -23,7 +24,7 @@ from vllm.model_executor.layers.attention import Attention
 from vllm.v1.outputs import SamplerOutput
 from vllm.v1.worker.cpu_model_runner import CPUModelRunner, _torch_cuda_wrapper
 
-from ddtree.tree import accept_walk, ancestor_mask, compaction_moves, sample_from_logits, with_root
+from ddtree.tree import ancestor_mask, compaction_moves, sample_from_logits, with_root
 from ddtree.vllm.attention import StepMasks, active_masks, cache_layout, move_tokens
 from ddtree.vllm.config import settings_of
 from ddtree.vllm.proposer import DDTreeProposer
@@ -47,6 +48,8 @@ class StepPlan:
     masks: StepMasks
     slot_mapping: torch.Tensor | None = None  # target slots of this step's rows
     paths: dict[int, list[int]] | None = None  # request index -> accepted node indices
+    defer_logits: bool = False     # the next compute_logits call returns its hidden states
+    logits_deferred: bool = False  # ... and it did: _sample gets hidden states, not logits
 
 
 class DDTreeCPUModelRunner(CPUModelRunner):
@@ -113,43 +116,93 @@ class DDTreeCPUModelRunner(CPUModelRunner):
         name = next(iter(plan.masks.layer_names))
         plan.slot_mapping = get_forward_context().slot_mapping[name].clone()
         with active_masks(plan.masks):
-            return super()._model_forward(*args, **kwargs)
+            out = super()._model_forward(*args, **kwargs)
+        self._defer_next_logits()
+        return out
 
     # ---- accept ------------------------------------------------------------------------------
+    def _defer_next_logits(self) -> None:
+        """Make the runner's next compute_logits call (the one right after this verify forward)
+        hand back its hidden states unchanged: _sample computes logits only for the nodes the
+        acceptance walk visits (about tau rows instead of every tree node; the LM head is one of
+        the largest matmuls of a CPU step)."""
+        model = self.model
+        if not getattr(model, "_ddtree_deferrable", False):
+            original = model.compute_logits
+            runner = self
+
+            def compute_logits(hidden_states, *args, **kwargs):
+                plan = runner._plan
+                if plan is not None and plan.defer_logits and not args and not kwargs:
+                    plan.defer_logits, plan.logits_deferred = False, True
+                    return hidden_states
+                return original(hidden_states, *args, **kwargs)
+
+            model.compute_logits = compute_logits
+            model._ddtree_deferrable = True
+            self._compute_logits = original
+        self._plan.defer_logits = True
+
     def _sample(self, logits, spec_decode_metadata):
         if spec_decode_metadata is None:
             return super()._sample(logits, spec_decode_metadata)
         plan = self._plan or StepPlan({}, StepMasks([], frozenset()))
+        if plan.logits_deferred:  # `logits` holds the sampled rows' hidden states
+            logits_of = lambda rows: self._compute_logits(logits[rows])  # noqa: E731
+        else:
+            logits_of = lambda rows: logits[rows]  # noqa: E731
+        plan.defer_logits = plan.logits_deferred = False
         meta = self.input_batch.sampling_metadata
         num_reqs = len(spec_decode_metadata.num_draft_tokens)
         counts = [k + 1 for k in spec_decode_metadata.num_draft_tokens]
-        width = max(counts)
-        rows = torch.split(logits, counts)
-
+        firsts = [0]
+        for c in counts[:-1]:
+            firsts.append(firsts[-1] + c)
         temperature = meta.temperature.cpu().float() if meta.temperature is not None else torch.zeros(num_reqs)
         top_k = meta.top_k.cpu() if meta.top_k is not None else torch.zeros(num_reqs, dtype=torch.long)
         top_p = meta.top_p.cpu().float() if meta.top_p is not None else torch.ones(num_reqs)
-        out = torch.full((num_reqs, width), PLACEHOLDER, dtype=torch.int32)
-        plan.paths = {}
-        for r in range(num_reqs):
-            tree = plan.trees.get(r)
-            if tree is None:  # no drafts: one row, the next token
-                tree = RequestTree(0, 0, torch.tensor([-1]), torch.zeros(1, dtype=torch.long),
-                                   torch.zeros(1, dtype=torch.long))
+        all_greedy = bool((temperature <= 0).all())
+
+        # The acceptance walk (ddtree.tree.accept_walk), one depth per round: every request
+        # still walking draws one target sample at its current node (argmax at T=0, else its
+        # sampling rule) and moves to the child carrying that token, if any. Only the visited
+        # nodes' logits are computed, one batched LM-head call per round.
+        children = [self._children(plan.trees.get(r)) for r in range(num_reqs)]
+        tokens = [plan.trees[r].tokens.tolist() if r in plan.trees else [] for r in range(num_reqs)]
+        paths = [[0] for _ in range(num_reqs)]
+        committed: list[list[int]] = [[] for _ in range(num_reqs)]
+        active = list(range(num_reqs))
+        while active:
+            rows = torch.tensor([firsts[r] + paths[r][-1] for r in active])
+            idx = torch.tensor(active)
             samples = sample_from_logits(
-                rows[r][None], temperature[r:r + 1], top_k[r:r + 1], top_p[r:r + 1],
-                [meta.generators.get(r)])
-            max_depth = int(tree.depths.max())
-            path, n, bonus = accept_walk(tree.tokens[None], tree.parents[None], tree.depths[None],
-                                         samples.cpu(), max_depth)
-            n = int(n[0])
-            nodes = path[0, :n].tolist()
-            committed = tree.tokens[nodes[1:]].tolist() + [int(bonus[0])]
-            out[r, :len(committed)] = torch.tensor(committed, dtype=torch.int32)
-            if r in plan.trees:
-                plan.paths[r] = nodes
+                logits_of(rows)[:, None, :], temperature[idx], top_k[idx], top_p[idx],
+                [meta.generators.get(r) for r in active], all_greedy=all_greedy)[:, 0].tolist()
+            walking = []
+            for r, sample in zip(active, samples):
+                child = children[r].get((paths[r][-1], sample))
+                if child is None:  # the sample is the bonus token
+                    committed[r] = [tokens[r][n] for n in paths[r][1:]] + [sample]
+                else:
+                    paths[r].append(child)
+                    walking.append(r)
+            active = walking
+
+        width = max(counts)
+        out = torch.full((num_reqs, width), PLACEHOLDER, dtype=torch.int32)
+        for r, toks in enumerate(committed):
+            out[r, :len(toks)] = torch.tensor(toks, dtype=torch.int32)
+        plan.paths = {r: paths[r] for r in plan.trees}
         self._compact_kv(plan)
         return SamplerOutput(sampled_token_ids=out.to(logits.device), logprobs_tensors=None)
+
+    @staticmethod
+    def _children(tree: RequestTree | None) -> dict[tuple[int, int], int]:
+        """(parent node, token) -> child node; siblings carry distinct tokens."""
+        if tree is None:
+            return {}
+        toks, parents = tree.tokens.tolist(), tree.parents.tolist()
+        return {(parents[i], toks[i]): i for i in range(1, len(toks))}
 
     # ---- commit ------------------------------------------------------------------------------
     def _compact_kv(self, plan: StepPlan) -> None:
