@@ -45,7 +45,7 @@ def test_picks_trees_when_cheap_and_plain_decoding_under_load():
 
 
 def test_a_stall_does_not_freeze_out_the_best_candidate():
-    """A step that waited for a prefill is not timed, and one slow step (GC, another process)
+    """A step that captured a graph is not timed, and one slow step (GC, another process)
     does not move the cost estimate (median of recent steps), so the best tree stays the choice."""
     controller = AutoBudget(auto_candidates(16, True), bucket_of=lambda n: n)
 
@@ -56,11 +56,22 @@ def test_a_stall_does_not_freeze_out_the_best_candidate():
     best = controller.best(1)
     assert best == ("ddtree", 16)
     before = controller.step_cost(1, best)
-    controller.observe(1, best, None, tree_tau(best))  # its wall time included a prefill
+    controller.observe(1, best, None, tree_tau(best))  # its wall time included a capture
     assert controller.step_cost(1, best) == before
     controller.observe(1, best, 50 * before, tree_tau(best))  # a 50x stall
     assert controller.step_cost(1, best) == before
     assert controller.best(1) == best
+
+
+def test_costs_are_the_startup_curve_plus_measured_host_overhead():
+    controller = AutoBudget(auto_candidates(16, True), bucket_of=lambda n: n)
+    controller.prior = {(1, c): 1.0 + i / 10 for i, c in enumerate(controller.candidates)}
+    for _ in range(5):
+        controller.observe(1, ("ar", 0), 1.25, 1.0)  # 0.25 of host work per step
+    tree = ("ddtree", 16)
+    assert abs(controller.step_cost(1, tree) - (controller.prior[(1, tree)] + 0.25)) < 1e-9
+    controller.observe(1, tree, 40.0, 2.0)  # a stall in one tree step
+    assert abs(controller.step_cost(1, tree) - (controller.prior[(1, tree)] + 0.25)) < 1e-9
 
 
 def test_tau_is_monotone_in_the_budget():

@@ -4,10 +4,11 @@ A step over n sequences with candidate c (plain decoding, the DFlash chain, or a
 budget b) commits about n * tau(c) tokens in cost(n, c) seconds, so the controller runs the
 candidate with the largest tau(c) / cost(n, c):
 
-- cost: a curve per batch bucket measured at start-up (CUDA: replaying each captured step graph
-  on padding rows), replaced by the wall time of real steps as they run (median of the last
-  few, so one stall cannot freeze a candidate out); a candidate not yet run in a bucket gets its
-  start-up figure plus the bucket's measured host overhead.
+- cost: on CUDA, a curve per batch bucket measured at start-up (replaying each captured step
+  graph on padding rows) plus the bucket's host overhead (median of wall - graph time over
+  recent real steps of any candidate): graph replays are deterministic, while one candidate's
+  own wall times can be hit by a stall and freeze it out. Without a start-up curve (CPU), the
+  median wall time of the candidate's recent steps.
 - tau: tokens committed per sequence per step, averaged over real steps of that candidate (plain
   decoding is exactly 1), lifted to the best smaller tree's (a bigger tree contains it). Every
   candidate is tried ``min_tries`` times before the controller exploits, and
@@ -55,11 +56,11 @@ class AutoBudget:
         return {key: statistics.median(s) for key, s in self.samples.items()}
 
     def step_cost(self, bucket: int, cand) -> float | None:
-        if (bucket, cand) in self.samples:
-            return statistics.median(self.samples[(bucket, cand)])
         if (bucket, cand) in self.prior:
             over = self.overhead_samples.get(bucket)
             return self.prior[(bucket, cand)] + (statistics.median(over) if over else 0.0)
+        if (bucket, cand) in self.samples:
+            return statistics.median(self.samples[(bucket, cand)])
         return None
 
     def tau_estimate(self, cand) -> float:

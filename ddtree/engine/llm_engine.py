@@ -90,7 +90,6 @@ class LLMEngine:
         self.scheduler = Scheduler(self.blocks, config.max_num_seqs,
                                    max(config.max_num_batched_tokens, 1))
         self.seqs: dict[str, Sequence] = {}
-        self._prefill_unsynced = False
 
     def _methods(self) -> tuple[str, ...]:
         return METHODS if self.drafter is not None else ("ar",)
@@ -168,7 +167,6 @@ class LLMEngine:
             lambda s: self.runner.lookahead(s.method, self.budget_cap if s.budget == "auto" else s.budget))
         if kind == "prefill":
             self.runner.prefill(seqs, chunks)
-            self._prefill_unsynced = True  # its GPU work finishes inside the next decode's wall time
             return []
         if kind == "idle":
             return []
@@ -178,7 +176,6 @@ class LLMEngine:
         committed = {}
         for (method, budget), group in groups.items():
             committed.update(zip((s.seq_id for s in group), self._decode(group, method, budget)))
-        self._prefill_unsynced = False
         for seq in seqs:
             tokens = committed[seq.seq_id]
             self._append(seq, tokens)
@@ -209,8 +206,8 @@ class LLMEngine:
         t0 = time.perf_counter()
         out = self.runner.decode(group, method, budget, store_context=True)
         seconds = time.perf_counter() - t0
-        # A capture, or a step that also waited for a prefill, is not the candidate's step cost.
-        timed = len(self.runner.graphs) == graphs_before and not self._prefill_unsynced
+        # A capture is not a step's cost (prefill steps are timed apart: the runner's timer syncs).
+        timed = len(self.runner.graphs) == graphs_before
         self.auto.observe(len(group), cand, seconds if timed else None, sum(map(len, out)) / len(group))
         return out
 
