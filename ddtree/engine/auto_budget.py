@@ -49,11 +49,7 @@ class AutoBudget:
         self.steps = 0
         self.explore_up = True
 
-    WINDOW = 9  # recent steps whose median is a candidate's cost
-
-    @property
-    def cost(self) -> dict:
-        return {key: statistics.median(s) for key, s in self.samples.items()}
+    WINDOW = 9  # recent steps whose median is a cost
 
     def step_cost(self, bucket: int, cand) -> float | None:
         if (bucket, cand) in self.prior:
@@ -93,8 +89,8 @@ class AutoBudget:
         return self.candidates[best]
 
     def observe(self, n: int, cand, seconds: float | None, tokens_per_seq: float) -> None:
-        """One step's outcome; seconds=None when its wall time is not its cost (a capture, a
-        prefill finishing inside it)."""
+        """One step's outcome; seconds=None when its wall time is not its cost (it captured a
+        graph)."""
         bucket = self.bucket_of(n)
         self.tries[cand] = self.tries.get(cand, 0) + 1
         if cand != ("ar", 0):  # average the first tries, then an EMA
