@@ -708,3 +708,29 @@ def test_batched_on_cuda_matches_heap():
             h = build_tree_heap(lp[i], budget)
             assert torch.equal(tok[i].cpu(), h[0]) and torch.equal(par[i].cpu(), h[1])
             assert torch.equal(dep[i].cpu(), h[2])
+
+
+def test_topk_cpu_path_equals_key_selection():
+    """The CPU shortcut (topk of k+1, exact fallbacks for ties across the cut and NaN) returns
+    the same ids and value bits as the int64-key selection the GPU runs, on tie-heavy inputs."""
+    import ddtree.tree.build as build_mod
+    g = torch.Generator().manual_seed(0)
+    for trial in range(120):
+        rows, vocab = int(torch.randint(1, 30, (), generator=g)), int(torch.randint(2, 400, (), generator=g))
+        x = torch.randn(rows, vocab, generator=g)
+        if trial % 3 == 0:  # many ties, also across the cut
+            x = torch.randint(-3, 1, (rows, vocab), generator=g).float()
+        if trial % 4 == 0:
+            x[x > 0.5] = float("-inf")
+        if trial % 5 == 0:  # -0.0 and +0.0 tie
+            x = torch.where(torch.rand(rows, vocab, generator=g) < 0.5, torch.tensor(0.0), torch.tensor(-0.0))
+        if trial % 7 == 0:
+            x[0, 0] = float("nan")
+        if trial % 2:
+            x = torch.log_softmax(x, dim=-1)
+        for k in {1, 2, 8, 16, vocab - 1}:
+            if not 0 < k < vocab:
+                continue
+            got, want = topk_per_depth(x, k), build_mod._topk_select(x, k)
+            assert torch.equal(got[1], want[1])
+            assert torch.equal(got[0].view(torch.int32), want[0].view(torch.int32))

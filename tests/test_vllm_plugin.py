@@ -199,31 +199,7 @@ def test_unsupported_params_names_each_feature():
     assert [b.split("=")[0] for b in bad] == ["repetition_penalty", "logit_bias"]
 
 
-# ---- tree attention and top-k (no engine) ------------------------------------------------------
-def test_top_k_rows_equals_reference_selection():
-    import torch
-
-    from ddtree.tree import topk_per_depth
-    from ddtree.vllm.proposer import top_k_rows
-
-    g = torch.Generator().manual_seed(0)
-    for trial in range(120):
-        rows, vocab = int(torch.randint(1, 30, (), generator=g)), int(torch.randint(2, 400, (), generator=g))
-        x = torch.randn(rows, vocab, generator=g)
-        if trial % 3 == 0:  # many ties, also across the cut
-            x = torch.randint(-3, 1, (rows, vocab), generator=g).float()
-        if trial % 4 == 0:
-            x[x > 0.5] = float("-inf")
-        if trial % 5 == 0:  # -0.0 and +0.0 tie
-            x = torch.where(torch.rand(rows, vocab, generator=g) < 0.5, torch.tensor(0.0), torch.tensor(-0.0))
-        if trial % 2:
-            x = torch.log_softmax(x, dim=-1)
-        for k in {1, 2, 8, 16, vocab - 1, vocab, vocab + 2}:
-            got, want = top_k_rows(x, k), topk_per_depth(x, k)
-            assert torch.equal(got[1], want[1])
-            assert torch.equal(got[0].view(torch.int32), want[0].view(torch.int32))
-
-
+# ---- tree attention (no engine) ------------------------------------------------------
 def test_tree_attention_over_paged_cache_equals_dense_reference():
     import torch
     from types import SimpleNamespace

@@ -81,13 +81,50 @@ def _topk_select(x: torch.Tensor, k: int):
     return x.gather(-1, idx), idx
 
 
+def _topk_cpu(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`_topk_select` for a CPU float32 ``x [R, V]`` (0 < k < V), computed faster.
+
+    Same values and token ids, same tie rule (value descending, then smaller token id). The
+    sync-free int64-key selection (keys over the whole vocabulary) dominates a CPU step (14.5 vs
+    1.1 ms per vLLM plugin step); on CPU host checks cost nothing, so one ``torch.topk`` of k+1
+    does the work. When no row has a tie across the cut
+    (k-th == (k+1)-th value), its first k are exactly the top-k set and only their order among
+    equal values needs fixing (a stable sort of k entries). Otherwise every entry at or above the
+    k-th value is ordered exactly (``_top_k_threshold``); NaN takes the reference path.
+    """
+    vals, ids = torch.topk(x, k + 1, dim=-1)  # descending; order among equal values unspecified
+    if bool(torch.isnan(vals).any()):  # topk ranks NaN first, so a NaN anywhere shows here
+        return _topk_select(x, k)
+    if bool((vals[:, k - 1] == vals[:, k]).any()):
+        return _top_k_threshold(x, k)
+    ids, by_id = ids[:, :k].sort(dim=-1)
+    vals, by_val = vals[:, :k].gather(1, by_id).sort(dim=-1, descending=True, stable=True)
+    return vals, ids.gather(1, by_val)
+
+
+def _top_k_threshold(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Exact top-k when ties straddle the cut: order all entries >= each row's k-th value."""
+    R = x.shape[0]
+    kth = torch.topk(x, k, dim=-1, sorted=False).values.amin(dim=-1, keepdim=True)
+    rows, cols = (x >= kth).nonzero(as_tuple=True)  # row-major: ids ascending within a row
+    vals = x[rows, cols]
+    # Stable: by value (descending) and then by row, so a row's entries stay (value desc, id asc).
+    order = torch.sort(vals, descending=True, stable=True).indices
+    order = order[torch.sort(rows[order], stable=True).indices]
+    counts = torch.bincount(rows, minlength=R)
+    first = torch.cumsum(counts, 0) - counts
+    take = order[first[:, None] + torch.arange(k)[None, :]]
+    return vals[take], cols[take]
+
+
 def topk_per_depth(logprobs: torch.Tensor, k: int):
     """Top-``k`` log-probs and token ids along the last dim, stable descending.
 
     Exactly the first ``k`` entries of a stable descending sort (equal values:
     smaller token id first), but computed by one selection (``torch.topk``)
     over unique integer keys instead of a full sort over the vocabulary;
-    see :func:`_topk_select`.  No host syncs, static shapes.
+    see :func:`_topk_select`.  No host syncs, static shapes (on CPU, where there
+    are no graphs, :func:`_topk_cpu` trades a few host checks for speed).
     Returns ``(lp float32 [..., k], tok int64 [..., k])``.
     """
     x = logprobs.float()
@@ -95,6 +132,9 @@ def topk_per_depth(logprobs: torch.Tensor, k: int):
     if k <= 0 or k >= V:
         # Nothing to select (k >= V is a full sort anyway).
         return _topk_per_depth_reference(x, k)
+    if x.device.type == "cpu":
+        vals, ids = _topk_cpu(x.reshape(-1, V), k)
+        return vals.view(*x.shape[:-1], k), ids.view(*x.shape[:-1], k)
     return _topk_select(x, k)
 
 

@@ -13,45 +13,7 @@ import torch
 
 from vllm.v1.spec_decode.dflash import DFlashProposer
 
-from ddtree.tree import build_tree_batched, topk_per_depth
-
-
-def top_k_rows(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``topk_per_depth(x, k)`` for a CPU float32 ``x [R, V]``, computed faster.
-
-    Same values and token ids, same tie rule (value descending, then smaller token id). The
-    sync-free key trick of ``topk_per_depth`` (int64 keys over the whole vocabulary) dominates a
-    CPU step; here one ``torch.topk`` of k+1 does the work. When no row has a tie across the cut
-    (k-th == (k+1)-th value), its first k are exactly the top-k set and only their order among
-    equal values needs fixing (a stable sort of k entries). Otherwise every entry at or above the
-    k-th value is ordered exactly (``_top_k_threshold``); NaN takes the reference path.
-    """
-    R, V = x.shape
-    if k <= 0 or k >= V or x.device.type != "cpu":
-        return topk_per_depth(x, k)
-    vals, ids = torch.topk(x, k + 1, dim=-1)  # descending; order among equal values unspecified
-    if bool(torch.isnan(vals).any()):  # topk ranks NaN first, so a NaN anywhere shows here
-        return topk_per_depth(x, k)
-    if bool((vals[:, k - 1] == vals[:, k]).any()):
-        return _top_k_threshold(x, k)
-    ids, by_id = ids[:, :k].sort(dim=-1)
-    vals, by_val = vals[:, :k].gather(1, by_id).sort(dim=-1, descending=True, stable=True)
-    return vals, ids.gather(1, by_val)
-
-
-def _top_k_threshold(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Exact top-k when ties straddle the cut: order all entries >= each row's k-th value."""
-    R = x.shape[0]
-    kth = torch.topk(x, k, dim=-1, sorted=False).values.amin(dim=-1, keepdim=True)
-    rows, cols = (x >= kth).nonzero(as_tuple=True)  # row-major: ids ascending within a row
-    vals = x[rows, cols]
-    # Stable: by value (descending) and then by row, so a row's entries stay (value desc, id asc).
-    order = torch.sort(vals, descending=True, stable=True).indices
-    order = order[torch.sort(rows[order], stable=True).indices]
-    counts = torch.bincount(rows, minlength=R)
-    first = torch.cumsum(counts, 0) - counts
-    take = order[first[:, None] + torch.arange(k)[None, :]]
-    return vals[take], cols[take]
+from ddtree.tree import build_tree_batched
 
 
 @dataclass
@@ -90,14 +52,8 @@ class DDTreeProposer(DFlashProposer):
         logits = self._logits
         self._logits = None
         n = len(req_ids)
-        logprobs = torch.log_softmax(logits.float(), dim=-1)
+        logprobs = torch.log_softmax(logits.float(), dim=-1).view(n, self.depth, -1)
         budget = min(self.budget, num_speculative_tokens)
-        # The tree only ever uses each depth's top K = min(budget, V) tokens: select them once,
-        # then build on the [n, depth, K] slice (already in the builder's rank order, so its
-        # own selection is the identity) and map slice indices back to token ids.
-        k = min(budget, logprobs.shape[-1])
-        lp, ids = top_k_rows(logprobs, k)
-        tokens, parents, depths = build_tree_batched(lp.view(n, self.depth, k), budget)
-        tokens = ids.view(n, self.depth, k)[torch.arange(n)[:, None], depths - 1, tokens]
+        tokens, parents, depths = build_tree_batched(logprobs, budget)
         self.last_trees = ProposedTrees(req_ids, tokens, parents, depths)
         return tokens
