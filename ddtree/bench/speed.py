@@ -193,7 +193,8 @@ def main(argv=None) -> int:
     llm = LLM(target=args.target, drafter=args.drafter, method="ddtree", budget="auto", max_budget=cap,
               device=args.device, dtype=args.dtype, max_model_len=args.max_model_len,
               max_num_seqs=max(concurrency), max_num_batched_tokens=args.max_num_batched_tokens,
-              kv_cache_gb=args.kv_cache_gb, cuda_graphs=not args.no_cuda_graphs)
+              kv_cache_gb=args.kv_cache_gb, cuda_graphs=not args.no_cuda_graphs,
+              overlap_steps=False if args.no_overlap_steps else None)
     t0 = time.perf_counter()
     prior = llm.engine.profile_auto(sampling=any(t > 0 for t in temps))
     if prior:

@@ -12,6 +12,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="DDTree node budget, or 'auto' to pick plain/chain/tree per step (default: auto)")
     p.add_argument("--max-budget", type=int, default=128, help="largest tree 'auto' or a request may use")
     p.add_argument("--no-cuda-graphs", action="store_true", help="run decode steps eagerly on CUDA")
+    p.add_argument("--no-overlap-steps", action="store_true",
+                   help="read each decode round before launching the next (default: overlap under CUDA graphs)")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
     p.add_argument("--dtype", default=None, help="float32 or bfloat16 (default: fp32 on CPU, bf16 on CUDA)")
     p.add_argument("--max-model-len", type=int, default=2048, help="context length: prompt + output tokens")
@@ -34,4 +36,5 @@ def llm_from_args(args):
     return LLM(target=args.target, drafter=args.drafter, method=args.method, budget=args.budget,
                device=args.device, dtype=args.dtype, max_model_len=args.max_model_len,
                max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-               kv_cache_gb=args.kv_cache_gb, max_budget=args.max_budget, cuda_graphs=not args.no_cuda_graphs)
+               kv_cache_gb=args.kv_cache_gb, max_budget=args.max_budget, cuda_graphs=not args.no_cuda_graphs,
+               overlap_steps=False if args.no_overlap_steps else None)

@@ -10,7 +10,7 @@ import torch
 
 from ddtree.engine.auto_budget import AutoBudget, auto_candidates
 from ddtree.engine.block_manager import BlockManager
-from ddtree.engine.runner import GRAPH_BUCKETS, METHODS, ModelRunner
+from ddtree.engine.runner import GRAPH_BUCKETS, METHODS, PREFILL_BUCKETS, Launched, ModelRunner
 from ddtree.engine.sampling_params import SamplingParams
 from ddtree.engine.scheduler import Scheduler
 from ddtree.engine.sequence import Sequence, SequenceMetrics
@@ -42,6 +42,9 @@ class EngineConfig:
     kv_cache_gb: float = 1.0
     block_size: int = 16
     cuda_graphs: bool = True
+    # Launch the next decode round before reading the current one (the host's bookkeeping then
+    # overlaps the GPU's work). None: on wherever rounds are CUDA graphs.
+    overlap_steps: bool | None = None
 
     def validate(self) -> None:
         if self.method not in METHODS:
@@ -55,6 +58,8 @@ class EngineConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if self.overlap_steps not in (None, True, False):
+            raise ValueError(f"overlap_steps must be true, false or null, got {self.overlap_steps!r}")
         if not self.kv_cache_gb > 0:
             raise ValueError(f"kv_cache_gb must be > 0, got {self.kv_cache_gb!r}")
 
@@ -90,6 +95,12 @@ class LLMEngine:
         self.scheduler = Scheduler(self.blocks, config.max_num_seqs,
                                    max(config.max_num_batched_tokens, 1))
         self.seqs: dict[str, Sequence] = {}
+        overlap = config.overlap_steps
+        self.overlap_steps = self.runner.use_graphs if overlap is None else overlap
+        self._inflight: Launched | None = None   # a launched round not read yet
+        self._last_read = 0.0                     # when the previous round was read
+        self._drained: list[Sequence] = []        # progress read outside step() (an abort)
+        self.overlapped_rounds = 0                # rounds launched behind an unread one
 
     def _methods(self) -> tuple[str, ...]:
         return METHODS if self.drafter is not None else ("ar",)
@@ -153,16 +164,30 @@ class LLMEngine:
 
     def abort(self, request_id: str) -> None:
         seq = self.seqs.pop(request_id, None)
+        if self._inflight is not None and seq in self._inflight.seqs:
+            # Read the round in flight first: its other sequences keep their tokens, and nothing
+            # touches the aborted request's blocks after they are freed.
+            inflight, self._inflight = self._inflight, None
+            self._drained += self._read(inflight)
         if seq is not None and not seq.is_finished:
             seq.finish_reason = "abort"
             self.scheduler.finish(seq)
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or self._inflight is not None or bool(self._drained)
 
     # ---- stepping ----------------------------------------------------------------------------
     def step(self) -> list[Sequence]:
-        """Run one prefill or decode step; returns the sequences that made progress."""
+        """Run one prefill or decode step; returns the sequences that made progress.
+        With overlapped steps a decode step launches the next round (when the batch stays the
+        same) before it reads the current one; a step then returns the current one's progress."""
+        if self._drained:
+            drained, self._drained = self._drained, []
+            return drained
+        if self._inflight is not None:
+            inflight = self._inflight
+            self._inflight = self._launch_after(inflight)
+            return self._read(inflight)
         kind, seqs, chunks = self.scheduler.schedule(
             lambda s: self.runner.lookahead(s.method, self.budget_cap if s.budget == "auto" else s.budget))
         if kind == "prefill":
@@ -173,16 +198,73 @@ class LLMEngine:
         groups: dict[tuple[str, int | str], list[Sequence]] = {}
         for seq in seqs:  # one verify pass per speculative setting
             groups.setdefault((seq.method, seq.budget), []).append(seq)
-        committed = {}
+        if self.overlap_steps and len(groups) == 1 and self.runner.can_launch_after(seqs):
+            (method, budget), = groups
+            first = self._launch(seqs, method, budget)
+            self._inflight = self._launch_after(first)
+            return self._read(first)
+        progressed = []
         for (method, budget), group in groups.items():
-            committed.update(zip((s.seq_id for s in group), self._decode(group, method, budget)))
-        for seq in seqs:
-            tokens = committed[seq.seq_id]
+            progressed += self._read(self._launch(group, method, budget))
+        return progressed
+
+    def _launch(self, seqs: list[Sequence], method: str, budget, after: Launched | None = None) -> Launched:
+        auto = budget == "auto"
+        if auto:
+            method, budget = cand = self.auto.choose(len(seqs))
+            self.step_choices[cand] += 1
+        graphs_before = len(self.runner.graphs)
+        started = time.perf_counter()
+        launched = self.runner.launch(seqs, method, budget, store_context=auto, after=after)
+        launched.started, launched.by_auto = started, auto
+        launched.timed = len(self.runner.graphs) == graphs_before  # a capture is not a step's cost
+        return launched
+
+    def _launch_after(self, prev: Launched) -> Launched | None:
+        """The next round for the same batch, launched before ``prev`` is read, when nothing else
+        is due: no request waiting, every sequence still running with room for both rounds
+        (blocks reserved here) and unable to hit its length limits within ``prev``."""
+        seqs = prev.seqs
+        if (self.scheduler.waiting or len(self.scheduler.running) != len(seqs)
+                or any(s.is_finished for s in seqs)):
+            return None
+        method, budget = seqs[0].method, seqs[0].budget
+        ahead = self.runner.lookahead(prev.kind.method, prev.kind.budget)
+        nxt = self.runner.lookahead(method, self.budget_cap if budget == "auto" else budget)
+        for s in seqs:
+            if (s.params.max_tokens - s.num_output_tokens <= ahead or len(s) + ahead + nxt > self.max_model_len
+                    or not self.blocks.can_reserve(s, len(s) - 1 + ahead + nxt)):
+                return None
+        if not self.runner.can_launch_after(seqs):
+            return None
+        for s in seqs:
+            self.blocks.reserve(s, len(s) - 1 + ahead + nxt)
+        self.overlapped_rounds += 1
+        return self._launch(seqs, method, budget, after=prev)
+
+    def _read(self, launched: Launched) -> list[Sequence]:
+        """Read a launched round and commit its tokens; sequences that finished or were aborted
+        meanwhile drop theirs. Returns the sequences that made progress."""
+        out = self.runner.finish(launched)
+        now = time.perf_counter()
+        drafted = self.draft_tokens(launched.kind.method, launched.kind.budget)
+        progressed = []
+        for seq, tokens in zip(launched.seqs, out):
+            if seq.is_finished:
+                continue
+            seq.metrics.draft_tokens.append(drafted)
             self._append(seq, tokens)
+            progressed.append(seq)
             if seq.is_finished:
                 self.scheduler.finish(seq)
                 self.seqs.pop(seq.request_id, None)
-        return seqs
+        if launched.by_auto and progressed:
+            # A round launched behind another costs the time between their reads.
+            seconds = now - (self._last_read if launched.after else launched.started) if launched.timed else None
+            self.auto.observe(len(launched.seqs), (launched.kind.method, launched.kind.budget), seconds,
+                              sum(map(len, out)) / len(out))
+        self._last_read = now
+        return progressed
 
     def draft_tokens(self, method: str, budget: int) -> int:
         """Draft tokens one verify step checks: tree nodes, the chain's block - 1, or 0."""
@@ -190,33 +272,15 @@ class LLMEngine:
             return budget
         return self.drafter.block_size - 1 if method == "dflash" else 0
 
-    def _decode(self, group: list[Sequence], method: str, budget) -> list[list[int]]:
-        out = self._decode_group(group, method, budget)
-        drafted = self.draft_tokens(*self.runner.last_step)
-        for seq in group:
-            seq.metrics.draft_tokens.append(drafted)
-        return out
-
-    def _decode_group(self, group: list[Sequence], method: str, budget) -> list[list[int]]:
-        if budget != "auto":
-            return self.runner.decode(group, method, budget)
-        method, budget = cand = self.auto.choose(len(group))
-        self.step_choices[cand] += 1
-        graphs_before = len(self.runner.graphs)
-        t0 = time.perf_counter()
-        out = self.runner.decode(group, method, budget, store_context=True)
-        seconds = time.perf_counter() - t0
-        # A capture is not a step's cost (prefill steps are timed apart: the runner's timer syncs).
-        timed = len(self.runner.graphs) == graphs_before
-        self.auto.observe(len(group), cand, seconds if timed else None, sum(map(len, out)) / len(group))
-        return out
-
     def profile_auto(self, batch_sizes=None, sampling: bool = False) -> dict:
         """Start-up cost curve for ``budget="auto"``: capture every candidate's step graph for the
         batch buckets and time its replay (CUDA only; elsewhere costs come from real steps).
         sampling=True also captures the graphs sampled batches use, so no capture stalls a step."""
         if not self.runner.use_graphs:
             return {}
+        for tokens in PREFILL_BUCKETS:  # prefill graphs too, so no capture stalls a request
+            if tokens <= self.config.max_num_batched_tokens:
+                self.runner.prefill_graph(tokens)
         top = self.auto.bucket_of(self.config.max_num_seqs)
         for n in batch_sizes or [b for b in GRAPH_BUCKETS if b <= top]:
             bucket = self.auto.bucket_of(n)

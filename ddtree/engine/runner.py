@@ -29,6 +29,7 @@ from ddtree.tree import positions as node_positions
 METHODS = ("ar", "dflash", "ddtree")
 STAGES = ("draft", "build", "verify", "accept", "commit")
 GRAPH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
+PREFILL_BUCKETS = (16, 32, 64, 128, 256, 512)  # tokens of a one-sequence prefill chunk
 
 
 @dataclass
@@ -86,25 +87,47 @@ class StageTimer:
         return _Span()
 
 
+@dataclass
+class Launched:
+    """A decode round that is on its way: ``packed`` rows are (num_accepted, bonus, path tokens...)
+    once ``event`` has completed (None: already complete). ``num_accepted``/``bonus`` stay on the
+    device so the next round can be launched from them before the host reads anything."""
+    seqs: list[Sequence]
+    kind: StepKind
+    packed: torch.Tensor
+    event: torch.cuda.Event | None
+    num_accepted: torch.Tensor
+    bonus: torch.Tensor
+    graph: "StepGraph | None" = None
+    after: bool = False      # launched behind another round, before that one was read
+    # set by the engine: launch time, chosen by "auto", timed (no graph capture inside)
+    started: float = 0.0
+    by_auto: bool = False
+    timed: bool = True
+
+
 class StepGraph:
     """A decode round captured for a batch bucket. Inputs live in two static buffers (ints:
     root, start, top_k, block table; floats: temperature, top_p) filled from pinned host copies
-    in one transfer each. ``split`` captures one graph per stage with CUDA events between them
-    (for the step-time split); otherwise the round is a single graph."""
+    in one transfer each; outputs come back packed in one transfer. Host buffers come in two
+    slots used alternately, so a round can be filled while the previous one still runs.
+    ``split`` captures one graph per stage with CUDA events between them (for the step-time
+    split); otherwise the round is a single graph."""
 
     def __init__(self, runner: "ModelRunner", kind: StepKind, n: int, pool, split: bool):
         self.n, self.width = n, runner.table_width
         self.scratch = np.array(runner.scratch[:self.width], dtype=np.int64)
-        self.h_ints = torch.zeros(n, 3 + self.width, dtype=torch.long).pin_memory()
-        self.h_floats = torch.zeros(n, 2, dtype=torch.float32).pin_memory()
-        self.ints = torch.zeros_like(self.h_ints, device=runner.device)
-        self.floats = torch.zeros_like(self.h_floats, device=runner.device)
-        self._fill_padding(0)
-        self._upload()
+        self.h_ints = [torch.zeros(n, 3 + self.width, dtype=torch.long).pin_memory() for _ in range(2)]
+        self.h_floats = [torch.zeros(n, 2, dtype=torch.float32).pin_memory() for _ in range(2)]
+        self.ints = torch.zeros_like(self.h_ints[0], device=runner.device)
+        self.floats = torch.zeros_like(self.h_floats[0], device=runner.device)
+        self._fill_padding(0, 0, 0)
+        self._upload(0)
         self.inputs = StepInputs(self.ints[:, 0], self.ints[:, 1], self.ints[:, 3:], self.floats[:, 0],
                                  self.ints[:, 2], self.floats[:, 1])
         state = {}
-        stages = runner.round_stages(kind, self.inputs, runner.max_context, state)
+        stages = list(runner.round_stages(kind, self.inputs, runner.max_context, state))
+        stages[-1] = _then(stages[-1], lambda: state.update(packed=pack_outputs(*state["out"])))
         for fn in stages:  # warm up (Triton compiles, lazy weight fusion) outside capture
             fn()
         torch.cuda.synchronize()
@@ -116,23 +139,30 @@ class StepGraph:
                 for fn in group:
                     fn()
             self.graphs.append(g)
-        self.outputs = state["out"]
+        _, self.num_accepted, self.bonus = state["out"]
+        self.packed = state["packed"]
+        self.h_out = [torch.zeros(self.packed.shape, dtype=torch.long).pin_memory() for _ in range(2)]
         self.events = [torch.cuda.Event(enable_timing=True) for _ in range(len(self.graphs) + 1)] if split else []
 
-    def _fill_padding(self, start: int, position: int = 0) -> None:
+    def _fill_padding(self, slot: int, start: int, position: int = 0) -> None:
         """Rows from ``start`` on: root 0 at ``position`` in the scratch blocks, greedy."""
-        self.h_ints[start:] = 0
-        self.h_ints[start:, 1] = position
-        self.h_ints.numpy()[start:, 3:] = self.scratch
-        self.h_floats[start:, 0] = 0.0
-        self.h_floats[start:, 1] = 1.0
+        ints, floats = self.h_ints[slot], self.h_floats[slot]
+        ints[start:] = 0
+        ints[start:, 1] = position
+        ints.numpy()[start:, 3:] = self.scratch
+        floats[start:, 0] = 0.0
+        floats[start:, 1] = 1.0
 
-    def _upload(self) -> None:
-        self.ints.copy_(self.h_ints, non_blocking=True)
-        self.floats.copy_(self.h_floats, non_blocking=True)
+    def _upload(self, slot: int) -> None:
+        self.ints.copy_(self.h_ints[slot], non_blocking=True)
+        self.floats.copy_(self.h_floats[slot], non_blocking=True)
 
-    def replay(self, seqs: list[Sequence], pad_position: int = 0):
-        ints, floats = self.h_ints.numpy(), self.h_floats.numpy()
+    def replay(self, seqs: list[Sequence], pad_position: int = 0, slot: int = 0,
+               after: Launched | None = None) -> torch.cuda.Event:
+        """Launch the round for ``seqs`` (no host sync); ``after``: the round just launched for the
+        same sequences, whose roots and accepted counts are taken on the device. Returns the
+        event after which ``h_out[slot]`` holds the packed outputs."""
+        ints, floats = self.h_ints[slot].numpy(), self.h_floats[slot].numpy()
         for i, s in enumerate(seqs):
             row = ints[i]
             row[0], row[1], row[2] = s.token_ids[-1], len(s) - 1, s.params.top_k
@@ -140,18 +170,91 @@ class StepGraph:
             row[3:3 + k] = s.block_table
             row[3 + k:] = self.scratch[:self.width - k]
             floats[i] = (s.params.temperature, s.params.top_p)
-        self._fill_padding(len(seqs), pad_position)  # rows of an earlier, larger batch
-        self._upload()
+        self._fill_padding(slot, len(seqs), pad_position)  # rows of an earlier, larger batch
+        self._upload(slot)
+        if after is not None:
+            n = len(seqs)
+            self.ints[:n, 0].copy_(after.bonus[:n])
+            self.ints[:n, 1].add_(after.num_accepted[:n])
         for i, g in enumerate(self.graphs):
             if self.events:
                 self.events[i].record()
             g.replay()
         if self.events:
             self.events[-1].record()
-        return self.outputs
+        self.h_out[slot].copy_(self.packed, non_blocking=True)
+        done = torch.cuda.Event()
+        done.record()
+        return done
 
     def stage_seconds(self) -> list[float]:
         return [a.elapsed_time(b) / 1e3 for a, b in zip(self.events[:-1], self.events[1:])]
+
+
+class PrefillGraph:
+    """A one-sequence prefill chunk of up to ``tokens`` tokens, captured: an eager prefill is
+    hundreds of kernel launches, paid again by every new request. Inputs (token ids, positions,
+    cache slots, block table, cached length, chunk length) live in one static buffer filled from
+    a pinned host copy. Rows past the chunk are padding: their queries are masked out by the
+    chunk length and their K/V go to a scratch slot."""
+
+    def __init__(self, runner: "ModelRunner", tokens: int, pool):
+        T, W = tokens, runner.table_width
+        self.tokens, self.width, self.block_size = T, W, runner.blocks.block_size
+        self.scratch_slot = runner.scratch[0] * self.block_size
+        self.h_ints = torch.zeros(3 * T + W + 3, dtype=torch.long).pin_memory()
+        self.ints = torch.zeros_like(self.h_ints, device=runner.device)
+        ids, positions, slots = self.ints[:T], self.ints[T:2 * T], self.ints[2 * T:3 * T]
+        table = self.ints[3 * T:3 * T + W].view(1, W)
+        cached, query_start = self.ints[3 * T + W:3 * T + W + 1], self.ints[3 * T + W + 1:]
+        ctx = AttentionContext(table, cached, query_start, slots, self.block_size, T, runner.max_context)
+
+        def forward():
+            _, taps = runner.target(ids, positions, runner.target_kv, ctx, runner.taps)
+            if runner.drafter_kv is not None:
+                runner.drafter.store_context(taps, positions, runner.drafter_kv, slots)
+
+        self.fill(runner.scratch[:1], 0, 1, [0])
+        self.ints.copy_(self.h_ints)
+        forward()  # warm up outside capture
+        torch.cuda.synchronize()
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph, pool=pool):
+            forward()
+
+    def fill(self, block_table: list[int], start: int, n: int, token_ids: list[int]) -> None:
+        T, W, bs = self.tokens, self.width, self.block_size
+        h = self.h_ints.numpy()
+        pos = np.arange(start, start + n)
+        h[:n] = token_ids
+        h[n:T] = 0
+        h[T:T + n] = pos
+        h[T + n:2 * T] = 0
+        h[2 * T:2 * T + n] = np.asarray(block_table)[pos // bs] * bs + pos % bs
+        h[2 * T + n:3 * T] = self.scratch_slot
+        h[3 * T:3 * T + W] = 0
+        h[3 * T:3 * T + len(block_table)] = block_table
+        h[3 * T + W:] = (start, 0, n)
+
+    def run(self, seq: Sequence, n: int) -> None:
+        a = seq.num_cached
+        self.fill(seq.block_table, a, n, seq.token_ids[a:a + n])
+        self.ints.copy_(self.h_ints, non_blocking=True)
+        self.graph.replay()
+        # The pinned buffer is refilled by the next call: wait until this upload has been read.
+        torch.cuda.current_stream().synchronize()
+
+
+def _then(first, second):
+    def both():
+        first()
+        second()
+    return both
+
+
+def pack_outputs(tokens: torch.Tensor, num_accepted: torch.Tensor, bonus: torch.Tensor) -> torch.Tensor:
+    """[N, 2 + L]: num_accepted, bonus, path tokens (root first): one transfer to the host."""
+    return torch.cat([num_accepted[:, None], bonus[:, None], tokens], 1)
 
 
 class ModelRunner:
@@ -173,10 +276,10 @@ class ModelRunner:
         self.taps = tuple(getattr(drafter, "taps", ()))
         self.use_graphs = cuda_graphs and device.type == "cuda"
         self.graphs: dict[tuple[StepKind, int, bool], StepGraph] = {}
+        self.prefill_graphs: dict[int, PrefillGraph] = {}
         self.graph_pool = torch.cuda.graph_pool_handle() if self.use_graphs else None
         self.profile_stages = False       # record a per-stage split of graph replays
         self.stage_seconds: dict[str, float] = defaultdict(float)
-        self.last_step: tuple[str, int] | None = None  # (method, budget) of the last decode round
         self.decode_calls = 0
 
     def _alloc_kv(self, shape, num_slots) -> torch.Tensor:
@@ -208,6 +311,12 @@ class ModelRunner:
     @torch.inference_mode()
     def prefill(self, seqs: list[Sequence], chunks: list[int]) -> None:
         """Run the target over uncached prompt tokens (never the last one: it is the first root)."""
+        bucket = next((b for b in PREFILL_BUCKETS if b >= chunks[0]), None)
+        if self.use_graphs and len(seqs) == 1 and bucket is not None:
+            with self.timer("prefill"):
+                self.prefill_graph(bucket).run(seqs[0], chunks[0])
+            seqs[0].num_cached += chunks[0]
+            return
         ids, pos = [], []
         for seq, n in zip(seqs, chunks):
             a, b = seq.num_cached, seq.num_cached + n
@@ -222,6 +331,12 @@ class ModelRunner:
                 self.drafter.store_context(taps, positions, self.drafter_kv, ctx.slot_mapping)
         for seq, n in zip(seqs, chunks):
             seq.num_cached += n
+
+    def prefill_graph(self, tokens: int) -> PrefillGraph:
+        graph = self.prefill_graphs.get(tokens)
+        if graph is None:
+            graph = self.prefill_graphs[tokens] = PrefillGraph(self, tokens, self.graph_pool)
+        return graph
 
     # ---- one decode round --------------------------------------------------------------------
     def step_kind(self, seqs: list[Sequence], method: str, budget: int, store_context: bool) -> StepKind:
@@ -256,34 +371,69 @@ class ModelRunner:
     @torch.inference_mode()
     def decode(self, seqs: list[Sequence], method: str, budget: int, store_context: bool = False) -> list[list[int]]:
         """One verify round for every sequence; returns the tokens each one commits."""
+        return self.finish(self.launch(seqs, method, budget, store_context))
+
+    def can_launch_after(self, seqs: list[Sequence]) -> bool:
+        """Whether a round for ``seqs`` may be launched before the previous one is read: graph
+        replays on CUDA (the host then runs ahead of the GPU) and any round on the CPU, as long
+        as the drafter keeps its state on the device (a host-side drafter would draft from
+        tokens the host has not read yet)."""
+        if self.drafter is not None and not isinstance(self.drafter, DFlashDrafter):
+            return False
+        if self.device.type == "cpu":
+            return not self.profile_stages
+        return self.use_graphs and not self.profile_stages and all(s.params.seed is None for s in seqs)
+
+    @torch.inference_mode()
+    def launch(self, seqs: list[Sequence], method: str, budget: int, store_context: bool = False,
+               after: Launched | None = None) -> Launched:
+        """Start one verify round (no host read on CUDA graphs). ``after``: the round launched just
+        before for the same sequences and not read yet; this round starts where it ends (its
+        bonus token is the root, its accepted tokens are in the cache), so the host never waits
+        between rounds. The blocks must already cover both rounds' lookahead."""
         kind = self.step_kind(seqs, method, budget, store_context)
-        self.last_step = (kind.method, kind.budget)
         self.decode_calls += 1
         n = len(seqs)
         bucket = self.graph_bucket(n, kind, seqs)
         if bucket is not None:
             graph = self._graph(kind, bucket)
-            tokens, num_accepted, bonus = graph.replay(seqs)
-        else:
-            state = {}
-            inputs = self._inputs(seqs)
-            max_keys = max(len(s) for s in seqs) + self.lookahead(kind.method, kind.budget)
-            gens = None
-            if any(s.params.seed is not None for s in seqs):
-                for s in seqs:
-                    if s.params.seed is not None and s.generator is None:
-                        s.generator = torch.Generator(device=self.device).manual_seed(s.params.seed)
-                gens = [s.generator for s in seqs]
-            for name, fn in zip(STAGES, self.round_stages(kind, inputs, max_keys, state, seqs, gens)):
-                with self.timer(name):
-                    fn()
-            tokens, num_accepted, bonus = state["out"]
-        packed = torch.cat([num_accepted[:n, None], bonus[:n, None], tokens[:n]], 1).tolist()  # the one sync
-        if bucket is not None and self.profile_stages:
-            for name, sec in zip(STAGES, graph.stage_seconds()):
+            slot = self.decode_calls % 2
+            event = graph.replay(seqs, slot=slot, after=after)
+            return Launched(seqs, kind, graph.h_out[slot], event, graph.num_accepted, graph.bonus, graph,
+                            after is not None)
+        state = {}
+        inputs = self._inputs(seqs)
+        ahead = 0
+        if after is not None:
+            inputs.roots = after.bonus[:n].clone()
+            inputs.starts = inputs.starts + after.num_accepted[:n]
+            ahead = self.lookahead(after.kind.method, after.kind.budget)
+        max_keys = max(len(s) for s in seqs) + ahead + self.lookahead(kind.method, kind.budget)
+        gens = None
+        if any(s.params.seed is not None for s in seqs):
+            for s in seqs:
+                if s.params.seed is not None and s.generator is None:
+                    s.generator = torch.Generator(device=self.device).manual_seed(s.params.seed)
+            gens = [s.generator for s in seqs]
+        for name, fn in zip(STAGES, self.round_stages(kind, inputs, max_keys, state, seqs, gens)):
+            with self.timer(name):
+                fn()
+        tokens, num_accepted, bonus = state["out"]
+        return Launched(seqs, kind, pack_outputs(tokens, num_accepted, bonus), None, num_accepted, bonus,
+                        after=after is not None)
+
+    def finish(self, launched: Launched) -> list[list[int]]:
+        """Wait for a launched round and read it (the one sync of a step); returns the tokens each
+        sequence commits and advances its cached length."""
+        if launched.event is not None:
+            launched.event.synchronize()
+        n = len(launched.seqs)
+        packed = launched.packed[:n].tolist()
+        if launched.graph is not None and launched.graph.events:
+            for name, sec in zip(STAGES, launched.graph.stage_seconds()):
                 self.stage_seconds[name] += sec
         out = []
-        for seq, row in zip(seqs, packed):
+        for seq, row in zip(launched.seqs, packed):
             k = row[0]
             seq.num_cached += k
             out.append(row[3:2 + k] + [row[1]])
@@ -305,11 +455,11 @@ class ModelRunner:
         kind = StepKind(method, budget if method == "ddtree" else 0, "greedy" if greedy else "sample",
                         self.drafter_kv is not None)
         graph = self._graph(kind, bucket)
-        graph.replay([], context)
+        graph.replay([], context).synchronize()
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        for _ in range(reps):
-            graph.replay([], context)
+        for i in range(reps):  # slots alternate: a slot's previous upload and readback are done
+            graph.replay([], context, slot=i % 2)
         end.record()
         end.synchronize()
         return start.elapsed_time(end) / 1e3 / reps
@@ -393,6 +543,9 @@ class ModelRunner:
         samples = sample_from_logits(logits, inp.temperature, inp.top_k, inp.top_p, generators,
                                      all_greedy=kind.sampling == "greedy",
                                      use_filters=kind.sampling == "filtered")
+        if kind.method == "ar":  # a root-only tree: the walk's answer without its kernels
+            path = torch.zeros_like(tree.tokens)
+            return path, torch.ones_like(inp.roots), samples[:, 0]
         return accept_walk(tree.tokens, tree.parents, tree.depths, samples, tree.max_depth, ancestors)
 
     def commit(self, kind: StepKind, inp: StepInputs, tree: Tree, accepted, taps, slots):
@@ -400,6 +553,11 @@ class ModelRunner:
         (tokens [N, L] root first, num_accepted [N], bonus [N]) without reading them."""
         path, num_accepted, bonus = accepted
         L = path.shape[1]
+        if kind.method == "ar":  # the root is already in place
+            if taps is not None and self.drafter_kv is not None:
+                self.drafter.store_context(taps.reshape(-1, taps.shape[-1]), inp.starts, self.drafter_kv,
+                                           slots.reshape(-1))
+            return tree.tokens, num_accepted, bonus
         src_off, dst_off, move = compaction_moves(path, num_accepted)
         dst = gather_rows(slots, dst_off)
         if kind.method == "ddtree":  # a chain's accepted nodes are already in chain order

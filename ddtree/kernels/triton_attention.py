@@ -24,7 +24,9 @@ from ddtree.context import AttentionContext
 _MASK_IDS = {"causal": 0, "full": 1, "tree": 2}
 
 
-@triton.jit(do_not_specialize=["splits"])
+# Runtime ints that vary between launches are not specialised (Triton would compile a variant per
+# "== 1" / "divisible by 16" pattern, a stall of ~1 s the first time a prompt length hits one).
+@triton.jit(do_not_specialize=["splits", "stride_tab", "stride_cl"])
 def _tree_attention_kernel(
         Q, K, V, O, P, LSE, tables, cached_lens, query_start, tree_mask, scale_log2,
         stride_qt, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh, stride_ot, stride_oh,
@@ -166,11 +168,11 @@ def tree_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
     if not 1 <= splits <= MAX_SPLITS:
         raise ValueError(f"splits must be in [1, {MAX_SPLITS}], got {splits}")
     out = torch.empty_like(q)
-    if splits > 1:
-        partial = torch.empty((splits, *q.shape), device=q.device, dtype=torch.float32)
-        lse = torch.empty((splits, T, H), device=q.device, dtype=torch.float32)
-    else:  # unused, but typed like the real ones so both cases share one compiled kernel
-        partial = lse = torch.empty(1, 1, 1, device=q.device, dtype=torch.float32)
+    # Rows padded to a multiple of 16 so the partials' strides keep one divisibility pattern for
+    # every T (one compiled kernel); with one split they are unused but shaped alike.
+    rows = triton.cdiv(T, 16) * 16 if splits > 1 else 16
+    partial = torch.empty((splits, rows, H, D), device=q.device, dtype=torch.float32)
+    lse = torch.empty((splits, rows, H), device=q.device, dtype=torch.float32)
     tree_mask = ctx.tree_mask if ctx.mask == "tree" else ctx.cached_lens
     mask_strides = (tree_mask.stride(0), tree_mask.stride(1)) if ctx.mask == "tree" else (0, 0)
     grid = (ctx.num_seqs, q_tiles, kv_heads * splits)

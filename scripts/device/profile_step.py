@@ -59,6 +59,26 @@ def run_steps(llm, method, budget, context, steps, n=1, profile=False):
     return wall, gpu, host
 
 
+def prefill_ms(llm, tokens: int, graphs: bool, reps: int = 5) -> float:
+    """Wall ms of the prefill step of a ``tokens``-token prompt (captured chunk or eager)."""
+    engine = llm.engine
+    runner = engine.runner
+    runner.use_graphs = graphs
+    times = []
+    for i in range(reps + 1):
+        seq = engine.add_request(list(range(1 + i, tokens + 1 + i)),
+                                 SamplingParams(temperature=0, max_tokens=1, ignore_eos=True), method="ar")
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        engine.step()  # the prefill
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+        while engine.has_unfinished():
+            engine.step()
+    runner.use_graphs = True
+    return sorted(times[1:])[reps // 2] * 1e3
+
+
 def kernel_table(llm, method, budget, context):
     """Kernels of one eager step (graphs off): name -> (count, total GPU us)."""
     engine = llm.engine
@@ -90,6 +110,7 @@ def main():
     p.add_argument("--steps", type=int, default=200)
     p.add_argument("--force-splits", type=int, default=None, help="attention key splits (default: chosen)")
     p.add_argument("--no-kernels", action="store_true", help="skip the eager kernel tables")
+    p.add_argument("--no-overlap", action="store_true", help="read each round before launching the next")
     args = p.parse_args()
     from ddtree.kernels import triton_attention
     chosen = triton_attention.kv_splits_for
@@ -103,7 +124,7 @@ def main():
     device, dtype = torch.device("cuda"), torch.bfloat16
     target, drafter = random_model(SMOLLM2, 4, 16, device, dtype)
     llm = LLM(target=target, drafter=drafter, method="ddtree", budget=32, device=device, dtype=dtype,
-              max_model_len=2048, max_num_seqs=16, kv_cache_gb=4)
+              max_model_len=2048, max_num_seqs=16, kv_cache_gb=4, overlap_steps=not args.no_overlap)
     result = {"gpu": torch.cuda.get_device_name(), "context": args.context, "steps": []}
     cands = [("ar", 0), ("dflash", 0), ("ddtree", 32)]
     for n in (1, 4):
@@ -118,6 +139,11 @@ def main():
             if host:
                 row["host_profile"] = host
     print("attention launches (programs, max_keys, max_queries, splits):", sorted(seen), flush=True)
+    result["prefill_ms"] = {}
+    for tokens in (40, 150, 400):
+        eager, graph = prefill_ms(llm, tokens, False), prefill_ms(llm, tokens, True)
+        result["prefill_ms"][tokens] = {"eager": eager, "graph": graph}
+        print(f"prefill {tokens:4d} tokens: eager {eager:7.2f} ms  graph {graph:7.2f} ms", flush=True)
     for method, budget in () if args.no_kernels else (("ar", 0), ("ddtree", 32)):
         table = kernel_table(llm, method, budget, args.context)
         total = sum(v[1] for v in table.values())

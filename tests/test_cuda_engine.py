@@ -1,0 +1,72 @@
+"""The CUDA-only engine paths against the eager ones (fp32, random weights; run on the GPU
+machine, skipped elsewhere): captured prefill chunks and overlapped graph rounds must give the
+tokens of eager, one-round-at-a-time decoding, and prompt lengths must not recompile kernels."""
+import pytest
+import torch
+
+from ddtree import LLM, SamplingParams
+from ddtree.bench.projection import random_model
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+SHAPE = dict(model_type="llama", vocab_size=4096, hidden_size=256, intermediate_size=512,
+             num_hidden_layers=6, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+             rms_norm_eps=1e-5, rope_theta=10000.0, max_position_embeddings=4096,
+             tie_word_embeddings=True, attention_bias=False, qk_norm=False)
+
+
+@pytest.fixture(scope="module")
+def models():
+    torch.manual_seed(0)
+    target, drafter = random_model(SHAPE, 2, 8, "cuda", torch.float32)
+    with torch.no_grad():  # sharper logits than the 0.02 init: no near-ties in greedy choices
+        target.lm_head.weight.mul_(20)
+    return target, drafter
+
+
+def _prompts(n, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    lengths = [5, 17, 40, 64, 100, 250, 700, 33][:n]  # eager (700 > 512), and several buckets
+    return [torch.randint(1, 4096, (k,), generator=g).tolist() for k in lengths]
+
+
+def _run(models, method, budget, graphs, overlap, prompts, batched):
+    target, drafter = models
+    llm = LLM(target=target, drafter=drafter if method != "ar" else None, method=method, budget=budget,
+              device="cuda", dtype=torch.float32, max_model_len=1024, max_num_seqs=8, kv_cache_gb=0.5,
+              cuda_graphs=graphs, overlap_steps=overlap, max_budget=32)
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    if batched:
+        outs = [o.token_ids for o in llm.generate(prompts, params)]
+    else:
+        outs = [llm.generate([p], params)[0].token_ids for p in prompts]
+    return outs, llm
+
+
+@pytest.mark.parametrize("method,budget", [("ar", 0), ("dflash", 0), ("ddtree", 16), ("ddtree", "auto")])
+def test_graphs_and_overlap_match_eager(models, method, budget):
+    prompts = _prompts(8)
+    eager, _ = _run(models, method, budget, graphs=False, overlap=False, prompts=prompts, batched=False)
+    for batched in (False, True):
+        fast, llm = _run(models, method, budget, graphs=True, overlap=True, prompts=prompts, batched=batched)
+        assert fast == eager
+        assert llm.engine.overlapped_rounds > 10
+        assert set(llm.engine.runner.prefill_graphs) >= {16, 32, 64, 128, 256}
+        assert llm.engine.blocks.num_free == llm.engine.blocks.num_blocks
+
+
+def _compiled_variants(kernel) -> int:
+    # device_caches[device][0] is Triton's compiled-kernel dict (3.x): one entry per specialisation
+    return sum(len(cache[0]) for cache in kernel.device_caches.values())
+
+
+def test_prompt_lengths_do_not_recompile_attention(models):
+    from ddtree.kernels import triton_attention
+    kernel = triton_attention._tree_attention_kernel
+    _run(models, "ddtree", 16, graphs=False, overlap=False, prompts=_prompts(3, seed=1), batched=False)  # BLOCK_M 16, 32, 64
+    before = _compiled_variants(kernel)
+    assert before > 0
+    base = _prompts(1, seed=2)[0]
+    _run(models, "ddtree", 16, graphs=False, overlap=False, batched=False,
+         prompts=[base[:k] for k in (2, 3, 4, 16, 31, 32, 48, 160, 161)])
+    assert _compiled_variants(kernel) == before
