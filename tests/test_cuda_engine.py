@@ -51,7 +51,8 @@ def test_graphs_and_overlap_match_eager(models, method, budget):
         fast, llm = _run(models, method, budget, graphs=True, overlap=True, prompts=prompts, batched=batched)
         assert fast == eager
         assert llm.engine.overlapped_rounds > 10
-        assert set(llm.engine.runner.prefill_graphs) >= {16, 32, 64, 128, 256}
+        if not batched:  # one-sequence chunks run captured (a batch of new prompts runs eagerly)
+            assert set(llm.engine.runner.prefill_graphs) >= {16, 32, 64, 128, 256}
         assert llm.engine.blocks.num_free == llm.engine.blocks.num_blocks
 
 
