@@ -238,6 +238,25 @@ def test_triton_tree_builder_matches_torch_builder(budget, depth, vocab):
         assert torch.equal(w, g)
 
 
+@pytest.mark.parametrize("k,vocab,chunk", [(1, 7, None), (5, 50, 8), (32, 300, 64), (100, 450, 128),
+                                          (128, 700, 256)]
+                         + ([(32, 49152, None), (64, 49152, None), (128, 151936, None)] if CUDA else []))
+@needs_kernels
+def test_triton_topk_matches_topk_per_depth(k, vocab, chunk):
+    """Values and ids exactly as the shared top-k (value desc, smaller id first on ties, -0.0 ==
+    +0.0), with many ties and chunk boundaries."""
+    from ddtree.kernels.triton_tree import topk_triton
+    from ddtree.tree import topk_per_depth
+    gen = torch.Generator().manual_seed(k + vocab)
+    x = torch.log_softmax(torch.randn(2, 3, vocab, generator=gen) * 3, -1)
+    x[1] = torch.randint(-3, 1, (3, vocab), generator=gen).float()  # heavy ties
+    x[1, 0, :vocab // 2] = -0.0
+    want = topk_per_depth(x, k)
+    got = topk_triton(x.to(DEVICE), k, chunk)  # small chunks: many chunk boundaries
+    assert torch.equal(got[1].cpu(), want[1])
+    assert torch.equal(got[0].cpu(), want[0])
+
+
 @pytest.mark.skipif(CUDA or INTERPRETED, reason="CPU only: the kernels run directly on CUDA")
 def test_kernels_under_triton_interpreter():
     """Every kernel test above, in Triton's interpreter, in a fresh process."""
