@@ -146,7 +146,7 @@ def plot(rows: list[dict], png: str | Path) -> None:
         axes[1].plot([b for b, _, _ in tree], [s for _, _, s in tree], "s--", label="speedup vs AR")
         axes[1].set(xscale="log", xlabel="budget", title=f"DDTree at concurrency {c0}")
         axes[1].legend()
-    stages = ["prefill", "draft", "build", "verify", "accept", "commit", "other"]
+    stages = ["prefill", "draft", "build", "verify", "accept", "commit", "context", "other"]
     bars = [r for r in sel if r["concurrency"] == c0 and (r.get("split_steps") or not r.get("auto_choices"))]
     bottom = [0.0] * len(bars)
     for st in stages:

@@ -1,11 +1,13 @@
 """Runs the models for one engine step. A decode round reads like the DDTree reference:
-draft -> build -> verify -> accept -> commit, one named method each. ``ar`` is the same round
-with an empty tree and ``dflash`` with a chain of the drafter's argmax tokens.
+draft -> build -> verify -> accept -> commit (KV compaction) -> context (the drafter's), one
+named method each. ``ar`` is the same round with an empty tree and ``dflash`` with a chain of the
+drafter's argmax tokens.
 
-The round is tensor-in, tensor-out with static shapes and no host reads, so on CUDA each stage
-is captured once per (method, budget, batch bucket, sampling mode) as a CUDA graph and a step is
-five graph replays plus one read of the committed tokens. Batches are padded to the bucket with
-rows that write only to scratch blocks.
+The round is tensor-in, tensor-out with static shapes and no host reads, so on CUDA the whole
+round is captured once per (method, budget, batch bucket, sampling mode) as a CUDA graph and a
+step is one graph replay plus one read of the committed tokens; the next round can be launched
+from this one's device outputs before that read (``Launched``). Batches are padded to the bucket
+with rows that write only to scratch blocks. One-sequence prefill chunks are captured too.
 """
 from __future__ import annotations
 
@@ -27,7 +29,7 @@ from ddtree.tree import (accept_walk, ancestor_mask, build_tree_batched, chain_t
 from ddtree.tree import positions as node_positions
 
 METHODS = ("ar", "dflash", "ddtree")
-STAGES = ("draft", "build", "verify", "accept", "commit")
+STAGES = ("draft", "build", "verify", "accept", "commit", "context")
 GRAPH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
 PREFILL_BUCKETS = (16, 32, 64, 128, 256, 512)  # tokens of a one-sequence prefill chunk
 
@@ -466,7 +468,7 @@ class ModelRunner:
 
     def round_stages(self, kind: StepKind, inp: StepInputs, max_keys: int, state: dict,
                      seqs: list[Sequence] | None = None, generators=None):
-        """The round as five closures over ``state`` (each one a graph under capture)."""
+        """The round as six closures over ``state`` (one graph each when profiling stages)."""
         def draft():
             state["logprobs"] = self.draft(kind, inp, max_keys, seqs)
 
@@ -481,9 +483,12 @@ class ModelRunner:
             state["accepted"] = self.accept(kind, inp, state["tree"], logits, ancestors, generators)
 
         def commit():
-            state["out"] = self.commit(kind, inp, state["tree"], state["accepted"], *state["verified"][1:3])
+            state["out"], state["dst"] = self.commit(kind, state["tree"], state["accepted"], state["verified"][2])
 
-        return draft, build, verify, accept, commit
+        def context():
+            self.update_context(inp, state["accepted"][0], state["verified"][1], state["dst"])
+
+        return draft, build, verify, accept, commit, context
 
     @torch.inference_mode()
     def draft_for(self, seqs: list[Sequence]) -> torch.Tensor:
@@ -548,24 +553,25 @@ class ModelRunner:
             return path, torch.ones_like(inp.roots), samples[:, 0]
         return accept_walk(tree.tokens, tree.parents, tree.depths, samples, tree.max_depth, ancestors)
 
-    def commit(self, kind: StepKind, inp: StepInputs, tree: Tree, accepted, taps, slots):
-        """Move accepted K/V into chain order, extend the drafter context; returns
-        (tokens [N, L] root first, num_accepted [N], bonus [N]) without reading them."""
+    def commit(self, kind: StepKind, tree: Tree, accepted, slots):
+        """Move accepted K/V into chain order (the compaction); returns ((tokens [N, L] root first,
+        num_accepted [N], bonus [N]), the accepted nodes' slots [N, L]) without reading them."""
         path, num_accepted, bonus = accepted
-        L = path.shape[1]
         if kind.method == "ar":  # the root is already in place
-            if taps is not None and self.drafter_kv is not None:
-                self.drafter.store_context(taps.reshape(-1, taps.shape[-1]), inp.starts, self.drafter_kv,
-                                           slots.reshape(-1))
-            return tree.tokens, num_accepted, bonus
+            return (tree.tokens, num_accepted, bonus), slots
         src_off, dst_off, move = compaction_moves(path, num_accepted)
         dst = gather_rows(slots, dst_off)
         if kind.method == "ddtree":  # a chain's accepted nodes are already in chain order
             src = torch.where(move, gather_rows(slots, src_off), dst).reshape(-1)
             self.target_kv[:, :, dst.reshape(-1)] = self.target_kv[:, :, src]
-        if taps is not None and self.drafter_kv is not None:
-            # Rows past the accepted length write harmless context beyond the committed prefix.
-            positions = (inp.starts[:, None] + torch.arange(L, device=self.device)).reshape(-1)
-            self.drafter.store_context(gather_rows(taps, path).reshape(-1, taps.shape[-1]), positions,
-                                       self.drafter_kv, dst.reshape(-1))
-        return gather_rows(tree.tokens, path), num_accepted, bonus
+        return (gather_rows(tree.tokens, path), num_accepted, bonus), dst
+
+    def update_context(self, inp: StepInputs, path: torch.Tensor, taps, dst: torch.Tensor) -> None:
+        """Extend the drafter's context with the accepted nodes' tapped target features. Rows past
+        the accepted length write harmless context beyond the committed prefix."""
+        if taps is None or self.drafter_kv is None:
+            return
+        L = path.shape[1]
+        positions = (inp.starts[:, None] + torch.arange(L, device=self.device)).reshape(-1)
+        self.drafter.store_context(gather_rows(taps, path).reshape(-1, taps.shape[-1]), positions,
+                                   self.drafter_kv, dst.reshape(-1))
