@@ -1,6 +1,7 @@
 """GPU correctness and a quick speed table for SmolLM2 + the shipped drafter (one device call).
 
-Greedy outputs of every method (CUDA graphs on) against plain AR with graphs in the same dtype:
+Greedy outputs of every method (CUDA graphs on) against plain AR with graphs in the same dtype,
+and fp32 AR with graphs against eager fp32 AR:
 fp32 must match exactly; bf16 may flip on near-ties, so it reports the first divergence per
 prompt. Then tokens/s at concurrency 1 for each method.
 
@@ -70,6 +71,15 @@ for dtype in ("float32", "bfloat16"):
               flush=True)
     report[f"greedy_{dtype}"] = rows
     if dtype == "float32":
+        # The graph paths (captured prefill chunks, overlapped rounds) against eager AR, one round
+        # at a time: fp32 must match exactly.
+        eager = LLM(target=args.target, method="ar", device="cuda", dtype=dtype, kv_cache_gb=2,
+                    cuda_graphs=False, overlap_steps=False)
+        eager_outs = [eager.generate([p], greedy)[0].token_ids for p in prompts]
+        div = [first_divergence(o, r) for o, r in zip(ref, eager_outs)]
+        report["fp32_graph_ar_vs_eager_ar"] = {"identical": sum(d is None for d in div), "first_divergence": div}
+        print("fp32 graph AR vs eager AR identical", sum(d is None for d in div), "/", len(prompts), div, flush=True)
+        del eager
         continue
     # Seeded sampling runs eagerly, unseeded through graphs: both must produce text.
     sampled = llm.generate(prompts[:4], SamplingParams(temperature=1, max_tokens=32, ignore_eos=True))
