@@ -18,7 +18,7 @@ import triton.language as tl
 from ddtree.tree.build import effective_budget, topk_per_depth
 
 _LOW = 2**31 - 1
-_INT64_MIN = -2**63
+_INT64_MIN = tl.constexpr(-2**63)  # a global read inside @triton.jit must be a constexpr
 
 
 @triton.jit
