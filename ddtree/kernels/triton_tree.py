@@ -127,6 +127,9 @@ def _merge_topk_kernel(KEYS, X, OUT_V, OUT_I, stride_x, V, K, N_CAND, CP: tl.con
     tl.store(OUT_I + r * K + j, idx, mask=keep)
 
 
+CHUNK_WARPS, MERGE_WARPS = 4, None  # None: by the merge size (scripts/device/sweep_topk.py)
+
+
 def topk_triton(logprobs: torch.Tensor, k: int, chunk: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``topk_per_depth`` (0 < k < V) in two launches: each program sorts one vocabulary chunk
     and keeps its k best keys, then one program per row sorts the winners. Replaces an int64
@@ -143,12 +146,12 @@ def topk_triton(logprobs: torch.Tensor, k: int, chunk: int | None = None) -> tup
     chunk = chunk or max(kp, min(2048 if kp <= 64 else 4096, triton.next_power_of_2(V)))
     chunks = triton.cdiv(V, chunk)
     keys = torch.empty(R, chunks * kp, device=x.device, dtype=torch.int64)
-    _chunk_topk_kernel[(R, chunks)](x2, keys, x2.stride(0), V, CHUNK=chunk, KP=kp, num_warps=4)
+    _chunk_topk_kernel[(R, chunks)](x2, keys, x2.stride(0), V, CHUNK=chunk, KP=kp, num_warps=CHUNK_WARPS)
     vals = torch.empty(R, k, device=x.device, dtype=torch.float32)
     ids = torch.empty(R, k, device=x.device, dtype=torch.int64)
     cp = triton.next_power_of_2(chunks * kp)
     _merge_topk_kernel[(R,)](keys, x2, vals, ids, x2.stride(0), V, k, chunks * kp, CP=cp,
-                             num_warps=4 if cp <= 2048 else 8)
+                             num_warps=MERGE_WARPS or (4 if cp <= 2048 else 8))
     return vals.view(*lead, k), ids.view(*lead, k)
 
 
