@@ -71,3 +71,22 @@ def test_prompt_lengths_do_not_recompile_attention(models):
     _run(models, "ddtree", 16, graphs=False, overlap=False, batched=False,
          prompts=[base[:k] for k in (2, 3, 4, 16, 31, 32, 48, 160, 161)])
     assert _compiled_variants(kernel) == before
+
+
+def test_fused_context_store_matches_torch_path(models, monkeypatch):
+    """The drafter's context update on CUDA (one K/V GEMM for all layers + Triton rope/store)
+    writes what the per-layer torch path writes."""
+    _, drafter = models
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    T = 37
+    taps = torch.randn(T, drafter.fc.in_features, device="cuda", generator=gen)
+    positions = torch.arange(100, 100 + T, device="cuda")
+    slots = torch.randperm(256, device="cuda", generator=gen)[:T]
+    layers, heads, dim = drafter.kv_shape()
+    caches = [torch.zeros(layers, 2, 256, heads, dim, device="cuda") for _ in range(2)]
+    with torch.inference_mode():
+        drafter.store_context(taps, positions, caches[0], slots)
+        monkeypatch.setenv("DDTREE_TRITON", "0")
+        drafter.store_context(taps, positions, caches[1], slots)
+    assert caches[0].abs().sum() > 0
+    torch.testing.assert_close(caches[0], caches[1], atol=1e-5, rtol=1e-5)

@@ -18,6 +18,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from ddtree.context import AttentionContext
+from ddtree.kernels import triton_enabled
 from ddtree.models.decoder import ModelConfig
 from ddtree.models.layers import QKVProjection, RMSNorm, ResidualBlock, Rotary, add_rms_norm
 
@@ -123,6 +124,7 @@ class DFlashDrafter(nn.Module):
         self.rotary = Rotary(cfg.head_dim, cfg.rope_theta)
         # A target with no spare vocabulary row for the mask token ships a learned embedding.
         self.mask_embedding = nn.Parameter(torch.zeros(cfg.hidden_size)) if learned_mask else None
+        self._kv_all = None  # all layers' K/V weights in one matrix (CUDA inference)
 
     @property
     def block_size(self) -> int:
@@ -139,8 +141,22 @@ class DFlashDrafter(nn.Module):
     def store_context(self, taps: torch.Tensor, positions: torch.Tensor, kv_caches: list,
                       slot_mapping: torch.Tensor) -> None:
         """Project committed tokens' tapped hidden states once and store their K/V in every layer."""
-        c = self.hidden_norm(self.fc(taps.to(self.fc.weight.dtype)))
+        c = add_rms_norm(self.fc(taps.to(self.fc.weight.dtype)), None, self.hidden_norm)[0]
         cos, sin = self.rotary.cos_sin(positions)
+        if triton_enabled(c) and not torch.is_grad_enabled():
+            # Every layer projects the same features: one GEMM for all layers' K/V, then each
+            # layer's norm + rotary + store (a context update runs every decode step).
+            from ddtree.kernels.triton_layers import qkv_rope_store
+            if self._kv_all is None:
+                self._kv_all = torch.cat([w for layer in self.layers
+                                          for w in (layer.self_attn.k_proj.weight, layer.self_attn.v_proj.weight)])
+            kv = torch.nn.functional.linear(c, self._kv_all)
+            cfg = self.config
+            width = 2 * cfg.num_key_value_heads * cfg.head_dim
+            for i, (layer, (k_cache, v_cache)) in enumerate(zip(self.layers, kv_caches)):
+                qkv_rope_store(kv[:, i * width:(i + 1) * width], 0, cfg.num_key_value_heads, cfg.head_dim, cos,
+                               sin, slot_mapping, k_cache, v_cache, None, layer.self_attn.k_norm)
+            return
         for layer, kv_cache in zip(self.layers, kv_caches):
             layer.self_attn.project_store(c, cos, sin, kv_cache, slot_mapping, with_queries=False)
 
