@@ -50,7 +50,8 @@ def test_graphs_and_overlap_match_eager(models, method, budget):
     for batched in (False, True):
         fast, llm = _run(models, method, budget, graphs=True, overlap=True, prompts=prompts, batched=batched)
         assert fast == eager
-        assert llm.engine.overlapped_rounds > 10
+        if method != "ddtree" or not batched:  # batched trees are not chained (see llm_engine)
+            assert llm.engine.overlapped_rounds > 10
         if not batched:  # one-sequence chunks run captured (a batch of new prompts runs eagerly)
             assert set(llm.engine.runner.prefill_graphs) >= {16, 32, 64, 128, 256}
         assert llm.engine.blocks.num_free == llm.engine.blocks.num_blocks

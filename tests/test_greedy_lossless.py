@@ -1,5 +1,6 @@
 """Greedy losslessness: DFlash chain and DDTree emit exactly the AR token ids (SmolLM2, fp32, CPU)."""
 import pytest
+import torch
 
 from ddtree.engine.llm import SHIPPED_DRAFTERS
 
@@ -99,16 +100,19 @@ def test_overlapped_rounds(smol, tokenizer, prompts, ar_reference, method, budge
                    max_budget=16)
     chosen = [prompts[i] for i in (0, 5, 16, 17)]
     _check_equal(chosen, llm.generate(chosen, GREEDY_64), ar_reference)
-    assert llm.engine.overlapped_rounds > 5
+    batched = llm.engine.overlapped_rounds
+    if method != "ddtree":  # batched trees are not chained (only once one sequence is left)
+        assert batched > 5
     one = llm.generate([prompts[3]], GREEDY_64)  # batch of one, then a fresh batch reuses the blocks
     _check_equal([prompts[3]], one, ar_reference)
+    assert llm.engine.overlapped_rounds > batched + 5
     assert llm.engine.blocks.num_free == llm.engine.blocks.num_blocks  # no block leaked
 
 
 def test_overlapped_rounds_stop_and_abort(smol, tokenizer, prompts, ar_reference):
     """A request that stops (stop token) or is aborted while the next round is in flight drops
     that round's tokens; the others continue AR-exact."""
-    llm = make_llm(smol, tokenizer, method="ddtree", budget=12, drafter=SHIPPED, overlap_steps=True)
+    llm = make_llm(smol, tokenizer, method="dflash", budget=0, drafter=SHIPPED, overlap_steps=True)
     engine = llm.engine
     ref = [ar_reference[tuple(p)] for p in prompts[:3]]
     stop_tok = ref[0][20]
@@ -127,3 +131,74 @@ def test_overlapped_rounds_stop_and_abort(smol, tokenizer, prompts, ar_reference
     assert aborted.finish_reason == "abort" and aborted.output_token_ids == ref[1][:aborted.num_output_tokens]
     assert kept.output_token_ids == ref[2]
     assert engine.blocks.num_free == engine.blocks.num_blocks
+
+
+class _FakeEvent:
+    def __init__(self, *a, **k):
+        pass
+
+    def record(self):
+        pass
+
+    def synchronize(self):
+        pass
+
+
+def _emulated_step_graph(runner_mod):
+    """StepGraph with its captured graph replaced by re-running the round on the static buffers
+    and copying the results into the persistent outputs (what a replay does): the graph path's
+    bookkeeping (static inputs, padding rows, slots, device-side chaining, packing) on the CPU."""
+    StepGraph = runner_mod.StepGraph
+
+    class Emulated(StepGraph):
+        def __init__(self, runner, kind, n, pool, split):
+            self.n, self.width = n, runner.table_width
+            self.scratch = runner_mod.np.array(runner.scratch[:self.width], dtype=runner_mod.np.int64)
+            self.h_ints = [torch.zeros(n, 3 + self.width, dtype=torch.long) for _ in range(2)]
+            self.h_floats = [torch.zeros(n, 2, dtype=torch.float32) for _ in range(2)]
+            self.ints, self.floats = torch.zeros_like(self.h_ints[0]), torch.zeros_like(self.h_floats[0])
+            self._fill_padding(0, 0, 0)
+            self._upload(0)
+            self.inputs = runner_mod.StepInputs(self.ints[:, 0], self.ints[:, 1], self.ints[:, 3:],
+                                                self.floats[:, 0], self.ints[:, 2], self.floats[:, 1])
+            state = {}
+            stages = runner.round_stages(kind, self.inputs, runner.max_context, state)
+            for fn in stages:
+                fn()
+            _, self.num_accepted, self.bonus = (t.clone() for t in state["out"])
+            self.packed = runner_mod.pack_outputs(*state["out"])
+            graph = self
+
+            class Replay:
+                def replay(self):
+                    for fn in stages:
+                        fn()
+                    _, acc, bonus = state["out"]
+                    graph.num_accepted.copy_(acc)
+                    graph.bonus.copy_(bonus)
+                    graph.packed.copy_(runner_mod.pack_outputs(*state["out"]))
+
+            self.graphs, self.events = [Replay()], []
+            self.h_out = [torch.zeros(self.packed.shape, dtype=torch.long) for _ in range(2)]
+
+    return Emulated
+
+
+@pytest.mark.parametrize("method,budget,batch", [("dflash", 0, (0, 5, 16)), ("ddtree", 12, (17,)),
+                                                 ("ddtree", "auto", (16,)), ("ddtree", 12, (0, 5, 16))])
+def test_graph_path_bookkeeping_emulated(smol, tokenizer, prompts, ar_reference, method, budget, batch,
+                                         monkeypatch):
+    """The CUDA-graph round's bookkeeping, emulated on the CPU: batches padded to buckets,
+    static-buffer inputs, overlapped rounds chained on the device; AR-exact outputs."""
+    from ddtree.engine import runner as runner_mod
+    monkeypatch.setattr(runner_mod, "StepGraph", _emulated_step_graph(runner_mod))
+    monkeypatch.setattr(runner_mod, "PREFILL_BUCKETS", ())
+    monkeypatch.setattr(torch.cuda, "Event", _FakeEvent)
+    llm = make_llm(smol, tokenizer, method=method, budget=budget, drafter=SHIPPED, overlap_steps=True,
+                   max_budget=16, max_model_len=256)
+    llm.engine.runner.use_graphs = True
+    chosen = [prompts[i] for i in batch]  # 3 sequences run in a bucket of 4
+    _check_equal(chosen, llm.generate(chosen, GREEDY_64), ar_reference)
+    assert llm.engine.runner.graphs
+    if method != "ddtree" or len(batch) == 1:  # batched trees are not chained
+        assert llm.engine.overlapped_rounds > 5
