@@ -6,26 +6,13 @@ import json
 
 import torch
 
+from ddtree.bench.attention import graph_seconds
 from ddtree.kernels import triton_tree
 from ddtree.tree.build import _topk_select
 
 
-def gpu_us(fn, reps=20):
-    fn()
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(reps):
-            fn()
-    g.replay()
-    torch.cuda.synchronize()
-    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    a.record()
-    for _ in range(5):
-        g.replay()
-    b.record()
-    b.synchronize()
-    return a.elapsed_time(b) * 1e3 / (5 * reps)
+def gpu_us(fn) -> float:
+    return graph_seconds(fn) * 1e6
 
 
 p = argparse.ArgumentParser()
