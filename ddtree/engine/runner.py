@@ -370,11 +370,6 @@ class ModelRunner:
             return None
         return next((b for b in GRAPH_BUCKETS if b >= n), None)
 
-    @torch.inference_mode()
-    def decode(self, seqs: list[Sequence], method: str, budget: int, store_context: bool = False) -> list[list[int]]:
-        """One verify round for every sequence; returns the tokens each one commits."""
-        return self.finish(self.launch(seqs, method, budget, store_context))
-
     def can_launch_after(self, seqs: list[Sequence]) -> bool:
         """Whether a round for ``seqs`` may be launched before the previous one is read: graph
         replays on CUDA (the host then runs ahead of the GPU) and any round on the CPU, as long

@@ -128,7 +128,6 @@ def _merge_topk_kernel(KEYS, X, OUT_V, OUT_I, stride_x, V, K, N_CAND, CP: tl.con
 
 
 TRITON_TOPK_MAX_ROWS = 16
-CHUNK_WARPS = MERGE_WARPS = None  # overrides of the plan's warp counts (scripts/device/sweep_topk.py)
 
 
 def _topk_plan(rows: int, k: int) -> tuple[int, int, int]:
@@ -139,12 +138,14 @@ def _topk_plan(rows: int, k: int) -> tuple[int, int, int]:
     return (1024, 8, 8) if rows <= 16 else (512, 4, 8 if rows <= 64 else 4)
 
 
-def topk_triton(logprobs: torch.Tensor, k: int, chunk: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def topk_triton(logprobs: torch.Tensor, k: int, chunk: int | None = None,
+                warps: tuple[int, int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``topk_per_depth`` (0 < k < V) in two launches: each program sorts one vocabulary chunk
     and keeps its k best keys, then one program per row sorts the winners. Replaces an int64
     radix select over the whole vocabulary (8 passes of 4 kernels, ~70 us on an H200 for
     15 x 49152 and k = 32). ``chunk``: vocabulary entries per program (a power of two >= k;
-    default from the plan)."""
+    default from the plan); ``warps``: (chunk kernel, merge kernel) warp counts (default from the
+    plan)."""
     x = logprobs.float()
     *lead, V = x.shape
     x2 = x.reshape(-1, V)
@@ -153,15 +154,16 @@ def topk_triton(logprobs: torch.Tensor, k: int, chunk: int | None = None) -> tup
     R = x2.shape[0]
     kp = triton.next_power_of_2(k)
     plan_chunk, w1, w2 = _topk_plan(R, k)
+    w1, w2 = warps or (w1, w2)
     chunk = chunk or max(kp, min(plan_chunk, triton.next_power_of_2(V)))
     chunks = triton.cdiv(V, chunk)
     keys = torch.empty(R, chunks * kp, device=x.device, dtype=torch.int64)
-    _chunk_topk_kernel[(R, chunks)](x2, keys, x2.stride(0), V, CHUNK=chunk, KP=kp, num_warps=CHUNK_WARPS or w1)
+    _chunk_topk_kernel[(R, chunks)](x2, keys, x2.stride(0), V, CHUNK=chunk, KP=kp, num_warps=w1)
     vals = torch.empty(R, k, device=x.device, dtype=torch.float32)
     ids = torch.empty(R, k, device=x.device, dtype=torch.int64)
     cp = triton.next_power_of_2(chunks * kp)
     _merge_topk_kernel[(R,)](keys, x2, vals, ids, x2.stride(0), V, k, chunks * kp, CP=cp,
-                             num_warps=MERGE_WARPS or w2)
+                             num_warps=w2)
     return vals.view(*lead, k), ids.view(*lead, k)
 
 

@@ -29,10 +29,9 @@ for R, V, k in [(15, 49152, 32), (15, 49152, 64), (60, 49152, 32), (240, 49152, 
             continue
         for w1 in (2, 4, 8):
             for w2 in (4, 8):
-                triton_tree.CHUNK_WARPS, triton_tree.MERGE_WARPS = w1, w2
-                got = triton_tree.topk_triton(x, k, chunk)
+                got = triton_tree.topk_triton(x, k, chunk, (w1, w2))
                 assert torch.equal(got[1], ref[1]) and torch.equal(got[0], ref[0])
-                us = gpu_us(lambda: triton_tree.topk_triton(x, k, chunk))
+                us = gpu_us(lambda: triton_tree.topk_triton(x, k, chunk, (w1, w2)))
                 rows.append({"rows": R, "vocab": V, "k": k, "chunk": chunk, "chunk_warps": w1, "merge_warps": w2,
                              "us": us, "torch_int64_topk_us": t_ref})
                 if best is None or us < best[0]:
