@@ -10,7 +10,7 @@ from ddtree.bench.projection import random_model
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 SHAPE = dict(model_type="llama", vocab_size=4096, hidden_size=256, intermediate_size=512,
-             num_hidden_layers=6, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+             num_hidden_layers=6, num_attention_heads=6, num_key_value_heads=2, head_dim=64,
              rms_norm_eps=1e-5, rope_theta=10000.0, max_position_embeddings=4096,
              tie_word_embeddings=True, attention_bias=False, qk_norm=False)
 
@@ -35,7 +35,7 @@ def _run(models, method, budget, graphs, overlap, prompts, batched):
     llm = LLM(target=target, drafter=drafter if method != "ar" else None, method=method, budget=budget,
               device="cuda", dtype=torch.float32, max_model_len=1024, max_num_seqs=8, kv_cache_gb=0.5,
               cuda_graphs=graphs, overlap_steps=overlap, max_budget=32)
-    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    params = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
     if batched:
         outs = [o.token_ids for o in llm.generate(prompts, params)]
     else:
@@ -43,15 +43,16 @@ def _run(models, method, budget, graphs, overlap, prompts, batched):
     return outs, llm
 
 
-@pytest.mark.parametrize("method,budget", [("ar", 0), ("dflash", 0), ("ddtree", 16), ("ddtree", "auto")])
+# Budget 32 with 3 query heads per KV head: a tree takes several query tiles of the attention
+# kernel (the layout that once wrote past a sequence's last query on the H200).
+@pytest.mark.parametrize("method,budget", [("ar", 0), ("dflash", 0), ("ddtree", 32), ("ddtree", "auto")])
 def test_graphs_and_overlap_match_eager(models, method, budget):
     prompts = _prompts(8)
     eager, _ = _run(models, method, budget, graphs=False, overlap=False, prompts=prompts, batched=False)
     for batched in (False, True):
         fast, llm = _run(models, method, budget, graphs=True, overlap=True, prompts=prompts, batched=batched)
         assert fast == eager
-        if method != "ddtree" or not batched:  # batched trees are not chained (see llm_engine)
-            assert llm.engine.overlapped_rounds > 10
+        assert llm.engine.overlapped_rounds > 10
         if not batched:  # one-sequence chunks run captured (a batch of new prompts runs eagerly)
             assert set(llm.engine.runner.prefill_graphs) >= {16, 32, 64, 128, 256}
         assert llm.engine.blocks.num_free == llm.engine.blocks.num_blocks

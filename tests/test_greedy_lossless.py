@@ -101,8 +101,7 @@ def test_overlapped_rounds(smol, tokenizer, prompts, ar_reference, method, budge
     chosen = [prompts[i] for i in (0, 5, 16, 17)]
     _check_equal(chosen, llm.generate(chosen, GREEDY_64), ar_reference)
     batched = llm.engine.overlapped_rounds
-    if method != "ddtree":  # batched trees are not chained (only once one sequence is left)
-        assert batched > 5
+    assert batched > 5
     one = llm.generate([prompts[3]], GREEDY_64)  # batch of one, then a fresh batch reuses the blocks
     _check_equal([prompts[3]], one, ar_reference)
     assert llm.engine.overlapped_rounds > batched + 5
@@ -200,5 +199,4 @@ def test_graph_path_bookkeeping_emulated(smol, tokenizer, prompts, ar_reference,
     chosen = [prompts[i] for i in batch]  # 3 sequences run in a bucket of 4
     _check_equal(chosen, llm.generate(chosen, GREEDY_64), ar_reference)
     assert llm.engine.runner.graphs
-    if method != "ddtree" or len(batch) == 1:  # batched trees are not chained
-        assert llm.engine.overlapped_rounds > 5
+    assert llm.engine.overlapped_rounds > 5

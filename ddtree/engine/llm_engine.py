@@ -229,12 +229,6 @@ class LLMEngine:
                 or any(s.is_finished for s in seqs)):
             return None
         method, budget = seqs[0].method, seqs[0].budget
-        if method == "ddtree" and len(seqs) > 1:
-            # Not verified: on the H200 a batched DDTree run with chained rounds (fixed budget 32
-            # and "auto") diverged from AR in fp32 while one-sequence DDTree and batched AR/chain
-            # runs stayed exact; the cause was not found (the CPU and an emulation of the graph
-            # path are exact), so batched trees read each round before launching the next.
-            return None
         ahead = self.runner.lookahead(prev.kind.method, prev.kind.budget)
         nxt = self.runner.lookahead(method, self.budget_cap if budget == "auto" else budget)
         for s in seqs:

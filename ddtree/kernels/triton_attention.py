@@ -1,7 +1,10 @@
 """Triton tree attention over the paged KV cache (prefill, decode, drafter block, DDTree verify).
 
 One program handles one sequence, one KV head and a tile of its new-token queries, with the
-query heads that share the KV head stacked as rows (GQA: K/V are read once per group). It walks
+query heads that share the KV head stacked as rows (GQA: K/V are read once per group). Each
+query takes a power-of-two number of rows (a group of 3 heads gets 4, one row unused): with 3,
+rows past a tile's last query wrote into the next sequence's first two queries on the H200
+(batched B=32 trees, 33 queries in 21-query tiles; the interpreter was exact). It walks
 the sequence's keys page by page straight from the cache (no gather), applies the context's mask
 to the new keys (causal, full, or the dense ancestor mask of a tree) and keeps an online softmax.
 All lengths are read from tensors, so the launch is CUDA-graph safe.
@@ -31,22 +34,23 @@ def _tree_attention_kernel(
         Q, K, V, O, P, LSE, tables, cached_lens, query_start, tree_mask, scale_log2,
         stride_qt, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh, stride_ot, stride_oh,
         stride_ps, stride_pt, stride_ph, stride_ls, stride_lt, stride_tab, stride_cl, stride_mn, stride_mq,
-        PAGE: tl.constexpr, GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+        PAGE: tl.constexpr, GROUP: tl.constexpr, GROUP_P2: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
         HEAD_DIM: tl.constexpr, MASK: tl.constexpr, IEEE: tl.constexpr, splits):
     # splits is a runtime value (not specialised), so a new split count never recompiles.
     seq = tl.program_id(0)
     kvh = tl.program_id(2) // splits
     split = tl.program_id(2) % splits
-    QPB: tl.constexpr = BLOCK_M // GROUP  # queries per program
+    QPB: tl.constexpr = BLOCK_M // GROUP_P2  # queries per program
     q0 = tl.load(query_start + seq)
     n_new = tl.load(query_start + seq + 1) - q0
     ctx_len = tl.load(cached_lens + seq * stride_cl)
     first_q = tl.program_id(1) * QPB
 
     rows = tl.arange(0, BLOCK_M)
-    qi = first_q + rows // GROUP
-    head = kvh * GROUP + rows % GROUP
-    row_ok = (rows < QPB * GROUP) & (qi < n_new)
+    qi = first_q + rows // GROUP_P2
+    head_in_group = rows % GROUP_P2
+    head = kvh * GROUP + head_in_group
+    row_ok = (head_in_group < GROUP) & (qi < n_new)
     d = tl.arange(0, HEAD_DIM)
     q = tl.load(Q + (q0 + qi)[:, None].to(tl.int64) * stride_qt + head[:, None] * stride_qh + d[None, :],
                 mask=row_ok[:, None], other=0.0)
@@ -148,9 +152,8 @@ def kv_splits_for(programs: int, max_keys: int, max_queries: int, device: torch.
 
 def launch_plan(q: torch.Tensor, k_cache: torch.Tensor, ctx: AttentionContext) -> tuple[int, int, int]:
     """(rows per program, query tiles, key splits) of a launch."""
-    group = q.shape[1] // k_cache.shape[1]
-    block_m = min(64, max(16, triton.next_power_of_2(ctx.max_queries * group)))
-    block_m = max(block_m, triton.next_power_of_2(group))
+    group = triton.next_power_of_2(q.shape[1] // k_cache.shape[1])  # rows per query
+    block_m = max(group, min(64, max(16, triton.next_power_of_2(ctx.max_queries * group))))
     q_tiles = triton.cdiv(ctx.max_queries, block_m // group)
     return block_m, q_tiles, kv_splits_for(ctx.num_seqs * q_tiles * k_cache.shape[1], ctx.max_keys,
                                            ctx.max_queries, q.device)
@@ -183,8 +186,8 @@ def tree_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
         out.stride(0), out.stride(1), partial.stride(0), partial.stride(1), partial.stride(2),
         lse.stride(0), lse.stride(1),
         ctx.block_tables.stride(0), ctx.cached_lens.stride(0), *mask_strides,
-        PAGE=ctx.block_size, GROUP=group, BLOCK_M=block_m, BLOCK_N=64 if D <= 64 else 32,
-        HEAD_DIM=D, MASK=_MASK_IDS[ctx.mask], IEEE=q.dtype == torch.float32, splits=splits,
+        PAGE=ctx.block_size, GROUP=group, GROUP_P2=triton.next_power_of_2(group), BLOCK_M=block_m,
+        BLOCK_N=64 if D <= 64 else 32, HEAD_DIM=D, MASK=_MASK_IDS[ctx.mask], IEEE=q.dtype == torch.float32, splits=splits,
         num_warps=4)
     if splits > 1:
         _merge_splits_kernel[(T, H)](

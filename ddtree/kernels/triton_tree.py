@@ -127,9 +127,6 @@ def _merge_topk_kernel(KEYS, X, OUT_V, OUT_I, stride_x, V, K, N_CAND, CP: tl.con
     tl.store(OUT_I + r * K + j, idx, mask=keep)
 
 
-TRITON_TOPK_MAX_ROWS = 16
-
-
 def _topk_plan(rows: int, k: int) -> tuple[int, int, int]:
     """(chunk, chunk-kernel warps, merge warps), from a sweep on the H200 at V = 49152
     (bench/results/topk_sweep_h200.json): small chunks once many rows fill the GPU."""
@@ -200,11 +197,7 @@ def build_tree_triton(logprobs: torch.Tensor, budget: int, num_warps: int | None
         e = torch.empty(N, 0, dtype=torch.long, device=device)
         return e, e.clone(), e.clone()
     K, sizes, offs, pair_j, pair_r, total, cand = _plan(budget, D, V, device)
-    # The Triton top-k only where it was verified end to end on the GPU (one sequence: greedy
-    # output equal to AR in fp32 on the H200); batches keep the int64 torch.topk (see llm_engine
-    # on the batched DDTree divergence still unexplained).
-    use_triton = 0 < K < V and N * D <= TRITON_TOPK_MAX_ROWS
-    lp, tok = topk_triton(logprobs, K) if use_triton else topk_per_depth(logprobs, K)
+    lp, tok = topk_triton(logprobs, K) if 0 < K < V else topk_per_depth(logprobs, K)
     lp = lp.clamp(max=0.0).contiguous()
     tok = tok.contiguous()
     total_p2 = triton.next_power_of_2(total)
