@@ -74,6 +74,34 @@ def test_costs_are_the_startup_curve_plus_measured_host_overhead():
     assert abs(controller.step_cost(1, tree) - (controller.prior[(1, tree)] + 0.25)) < 1e-9
 
 
+def test_own_step_times_replace_a_wrong_startup_curve():
+    """The start-up curve says the chain is as cheap as plain decoding; its real steps take twice
+    as long. Once the chain has run a few steps, its own times decide and plain decoding wins."""
+    controller = AutoBudget(auto_candidates(8, True), bucket_of=lambda n: n)
+    controller.prior = {(16, c): 1.0 for c in controller.candidates}
+    real = {"ar": 1.0, "dflash": 2.0, "ddtree": 3.0}
+    run(controller, 16, 100, tree_tau, lambda n, c: real[c[0]])
+    assert controller.step_cost(16, ("dflash", 0)) == 2.0
+    assert controller.best(16) == ("ar", 0)
+    late = run(controller, 16, 64, tree_tau, lambda n, c: real[c[0]])
+    assert late.count(("ar", 0)) >= 62
+
+
+def test_exploration_reaches_trees_that_are_not_neighbours_of_the_best():
+    """Plain decoding leads, the chain is clearly worse, a tree is close: the tree is retried
+    (not only the chain next to plain decoding), so a stale tau estimate gets corrected."""
+    controller = AutoBudget(auto_candidates(32, True), bucket_of=lambda n: n)
+    cost = {"ar": 1.0, "dflash": 2.0, "ddtree": 1.5}
+    tau = {("ar", 0): 1.0, ("dflash", 0): 1.2}
+    stale = lambda c: tau.get(c, 1.4)  # noqa: E731 - trees looked worse than plain decoding
+    run(controller, 1, 40, stale, lambda n, c: cost[c[0]])
+    assert controller.best(1) == ("ar", 0)
+    tau.update({("ddtree", b): 1.8 for b in (8, 16, 32)})  # now a tree would win (1.8 / 1.5 > 1)
+    seen = run(controller, 1, 200, stale, lambda n, c: cost[c[0]])
+    assert controller.best(1)[0] == "ddtree"
+    assert ("dflash", 0) not in seen[:100]  # never plausible, never retried
+
+
 def test_tau_is_monotone_in_the_budget():
     controller = AutoBudget(auto_candidates(32, True), bucket_of=lambda n: n, min_tries=1)
     for cand, tau in [(("ar", 0), 1.0), (("dflash", 0), 1.5), (("ddtree", 8), 2.0), (("ddtree", 16), 1.2),
