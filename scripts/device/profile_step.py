@@ -1,7 +1,10 @@
 """Where a decode step's time goes on the GPU (random weights of the SmolLM2-135M shape, so no
 checkpoint has to travel): wall ms/step of engine.step() vs the GPU time of the step graph
 (the difference is host work), the kernels of one eager step (count and GPU time per kernel
-kind) and the host's hottest Python functions.
+kind), the host's hottest Python functions, and the marginal GPU cost of the tree stages: the
+round captured without build / accept / commit (their outputs then stay those of the warm-up,
+so every other kernel runs unchanged) against the whole round. Per-stage graphs (the bench's
+split) add a graph boundary to every stage; the difference of two whole-round graphs does not.
 
 python scripts/device/profile_step.py --out $OUT/profile_step.json
 """
@@ -18,6 +21,7 @@ import torch
 
 from ddtree import LLM
 from ddtree.bench.projection import random_model
+from ddtree.engine.runner import STAGES, StepGraph, StepKind
 from ddtree.engine.sampling_params import SamplingParams
 
 SMOLLM2 = dict(model_type="llama", vocab_size=49152, hidden_size=576, intermediate_size=1536,
@@ -57,6 +61,40 @@ def run_steps(llm, method, budget, context, steps, n=1, profile=False):
         pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(18)
         host = buf.getvalue()
     return wall, gpu, host
+
+
+def round_ms(llm, method, budget, n, skip=(), context=400, reps=100):
+    """GPU ms of one replay of the round captured for bucket n with the ``skip`` stages left out
+    (they run once in the warm-up, so their outputs exist)."""
+    runner = llm.engine.runner
+    original = runner.round_stages
+
+    def round_stages(*args, **kwargs):
+        stages = []
+        for name, fn in zip(STAGES, original(*args, **kwargs)):
+            if name in skip:
+                done = []
+
+                def fn(fn=fn, done=done):
+                    if not done:
+                        done.append(True)
+                        fn()
+            stages.append(fn)
+        return stages
+
+    runner.round_stages = round_stages
+    try:
+        graph = StepGraph(runner, StepKind(method, budget, "greedy", True), n, runner.graph_pool, split=False)
+    finally:
+        runner.round_stages = original
+    graph.replay([], context).synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for i in range(reps):
+        graph.replay([], context, slot=i % 2)
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / reps
 
 
 def prefill_ms(llm, tokens: int, graphs: bool, reps: int = 5) -> float:
@@ -139,6 +177,16 @@ def main():
             if host:
                 row["host_profile"] = host
     print("attention launches (programs, max_keys, max_queries, splits):", sorted(seen), flush=True)
+    result["marginal_stage_ms"] = []
+    for n, budget in ((1, 32), (1, 64), (4, 32)):
+        whole = round_ms(llm, "ddtree", budget, n, context=args.context)
+        row = {"n": n, "budget": budget, "round_ms": whole}
+        for skip in (("build",), ("accept",), ("commit",), ("build", "accept", "commit")):
+            row["+".join(skip)] = whole - round_ms(llm, "ddtree", budget, n, skip, context=args.context)
+        row["build_accept_commit_share"] = row["build+accept+commit"] / whole
+        result["marginal_stage_ms"].append(row)
+        print(f"n={n} B={budget}: round {whole:.3f} ms; marginal ms " + ", ".join(
+            f"{k} {v:.3f}" for k, v in row.items() if k not in ("n", "budget", "round_ms")), flush=True)
     result["prefill_ms"] = {}
     for tokens in (40, 150, 400):
         eager, graph = prefill_ms(llm, tokens, False), prefill_ms(llm, tokens, True)
