@@ -34,8 +34,8 @@ def _tree_attention_kernel(
         Q, K, V, O, P, LSE, tables, cached_lens, query_start, tree_mask, scale_log2,
         stride_qt, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh, stride_ot, stride_oh,
         stride_ps, stride_pt, stride_ph, stride_ls, stride_lt, stride_tab, stride_cl, stride_mn, stride_mq,
-        PAGE: tl.constexpr, GROUP: tl.constexpr, GROUP_P2: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-        HEAD_DIM: tl.constexpr, MASK: tl.constexpr, IEEE: tl.constexpr, splits):
+        PAGE: tl.constexpr, GROUP: tl.constexpr, GROUP_P2: tl.constexpr, BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, MASK: tl.constexpr, IEEE: tl.constexpr, splits):
     # splits is a runtime value (not specialised), so a new split count never recompiles.
     seq = tl.program_id(0)
     kvh = tl.program_id(2) // splits
@@ -187,8 +187,8 @@ def tree_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
         lse.stride(0), lse.stride(1),
         ctx.block_tables.stride(0), ctx.cached_lens.stride(0), *mask_strides,
         PAGE=ctx.block_size, GROUP=group, GROUP_P2=triton.next_power_of_2(group), BLOCK_M=block_m,
-        BLOCK_N=64 if D <= 64 else 32, HEAD_DIM=D, MASK=_MASK_IDS[ctx.mask], IEEE=q.dtype == torch.float32, splits=splits,
-        num_warps=4)
+        BLOCK_N=64 if D <= 64 else 32, HEAD_DIM=D, MASK=_MASK_IDS[ctx.mask], IEEE=q.dtype == torch.float32,
+        splits=splits, num_warps=4)
     if splits > 1:
         _merge_splits_kernel[(T, H)](
             partial, lse, out, partial.stride(0), partial.stride(1), partial.stride(2), lse.stride(0),
