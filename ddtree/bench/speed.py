@@ -99,6 +99,10 @@ def bench(llm, prompts: dict[str, list[list[int]]], methods, concurrency, temper
                     graphs = llm.engine.runner.use_graphs
                     for b in [b for b in GRAPH_BUCKETS if b < c and graphs] + [c]:
                         run_closed_loop(llm, ids[:b], method, budget, t, 4 if b < c else 16, b)
+                    for _ in range(8 if budget == "auto" else 0):  # until auto has tried everything
+                        if llm.engine.auto.best(c) is not None:
+                            break
+                        run_closed_loop(llm, ids[:c], method, budget, t, 16, c)
                     batch = ids[:max(per_run(c), c)]
                     runs = [run_closed_loop(llm, batch, method, budget, t, max_tokens, c) for _ in range(repeats)]
                     best = sorted(runs, key=lambda r: r["tokens_per_s"])[len(runs) // 2]
