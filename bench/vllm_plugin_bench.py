@@ -11,7 +11,7 @@ per verify step, bonus included) comes from vLLM's own spec-decode counters.
 
 With --repeats R the engines run in R rounds (every method once per round, so slow drift of the
 machine hits all methods alike) and each (method, concurrency) reports the run with the median
-tokens/s; "runs" keeps every round's figures.
+tokens/s (the faster of two for R = 2); "runs" keeps every round's figures.
 
 With several budgets the DDTree engines are listed side by side as methods "ddtree-b8",
 "ddtree-b16", ... (one budget: method "ddtree"). The JSON starts with a "summary" table (tok/s, τ,
@@ -136,7 +136,7 @@ def main() -> None:
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--concurrency", default="1,4")
     p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--repeats", type=int, default=1, help="rounds of all methods (median reported)")
+    p.add_argument("--repeats", type=int, default=1, help="rounds of all methods (median run reported; the faster of two)")
     p.add_argument("--out", default=str(RESULTS / "vllm_plugin_cpu.json"))
     p.add_argument("--child", help=argparse.SUPPRESS)
     args = p.parse_args()

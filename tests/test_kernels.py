@@ -112,9 +112,9 @@ def test_tree_attention_matches_float64(name, cached, new, mask, group, splits):
 @needs_kernels
 @pytest.mark.parametrize("heads,kv_heads", [(9, 3), (15, 3), (8, 2), (7, 7)])
 def test_batched_trees_in_several_query_tiles(heads, kv_heads):
-    """Eight 33-node trees with 9 heads over 3 KV heads: each sequence takes two query tiles. On
-    the H200 a layout of 3 rows per query got the first two queries of most sequences wrong
-    (the interpreter was exact), and greedy batched DDTree diverged from AR."""
+    """Eight 33-node trees with 9 heads over 3 KV heads: each sequence takes several query tiles.
+    On the H200 a layout of 3 rows per query (two 21-query tiles) got the first two queries of
+    most sequences wrong (the interpreter was exact), and greedy batched DDTree diverged from AR."""
     gen = torch.Generator().manual_seed(heads)
     q, k, v, ctx = make_case(gen, [150, 300, 90, 250, 120, 60, 330, 210], 33, "tree", heads=heads,
                              kv_heads=kv_heads, dim=64)

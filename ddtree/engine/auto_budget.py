@@ -50,7 +50,7 @@ class AutoBudget:
         self.explore_every, self.explore_margin = explore_every, explore_margin
         self.tau_window = tau_window
         self.tau: dict[tuple[str, int], float] = {("ar", 0): 1.0}
-        self.tau_sums: dict[tuple[str, int], deque] = {}  # recent tokens per sequence per step
+        self.tau_recent: dict[tuple[str, int], deque] = {}  # recent tokens per sequence per step
         self.samples: dict[tuple[int, tuple[str, int]], deque] = {}  # recent wall times per step
         self.prior: dict[tuple[int, tuple[str, int]], float] = {}    # start-up profile
         self.overhead_samples: dict[int, deque] = {}                 # wall - prior, per bucket
@@ -107,7 +107,7 @@ class AutoBudget:
         self.observed += 1
         self.last_run[cand] = self.observed
         if cand != ("ar", 0):
-            recent = self.tau_sums.setdefault(cand, deque(maxlen=self.tau_window))
+            recent = self.tau_recent.setdefault(cand, deque(maxlen=self.tau_window))
             recent.append(tokens_per_seq)
             self.tau[cand] = sum(recent) / len(recent)
         if seconds is None:
