@@ -1,6 +1,7 @@
 """The CUDA-only engine paths against the eager ones (fp32, random weights; run on the GPU
-machine, skipped elsewhere): captured prefill chunks and overlapped graph rounds must give the
-tokens of eager, one-round-at-a-time decoding, and prompt lengths must not recompile kernels."""
+machine, skipped elsewhere): captured prefill steps (one and several sequences) and overlapped
+graph rounds must give the tokens of eager, one-round-at-a-time decoding, and prompt lengths must
+not recompile kernels."""
 import pytest
 import torch
 
@@ -26,7 +27,7 @@ def models():
 
 def _prompts(n, seed=0):
     g = torch.Generator().manual_seed(seed)
-    lengths = [5, 17, 40, 64, 100, 250, 700, 33][:n]  # eager (700 > 512), and several buckets
+    lengths = [5, 17, 40, 64, 100, 250, 700, 33][:n]  # several buckets
     return [torch.randint(1, 4096, (k,), generator=g).tolist() for k in lengths]
 
 
@@ -53,8 +54,11 @@ def test_graphs_and_overlap_match_eager(models, method, budget):
         fast, llm = _run(models, method, budget, graphs=True, overlap=True, prompts=prompts, batched=batched)
         assert fast == eager
         assert llm.engine.overlapped_rounds > 10
-        if not batched:  # one-sequence chunks run captured (a batch of new prompts runs eagerly)
-            assert set(llm.engine.runner.prefill_graphs) >= {16, 32, 64, 128, 256}
+        captured = set(llm.engine.runner.prefill_graphs)  # (tokens, sequences) buckets
+        if batched:  # the 8 prompts are prefilled together: 1,201 tokens
+            assert (2048, 16) in captured
+        else:
+            assert {(t, 1) for t in (16, 32, 64, 128, 256, 1024)} <= captured
         assert llm.engine.blocks.num_free == llm.engine.blocks.num_blocks
 
 

@@ -239,35 +239,43 @@ def test_tree_attention_reads_strided_metadata():
 
 
 @pytest.mark.parametrize("budget,depth,vocab", [(1, 4, 9), (3, 3, 5), (8, 6, 7), (32, 15, 50), (100, 5, 3),
-                                                (64, 6, 400)])
+                                                (64, 6, 400), (70, 5, 30)])
 @needs_kernels
 def test_triton_tree_builder_matches_torch_builder(budget, depth, vocab):
+    """The full tree (root first) and its ancestor mask, exactly as the torch builder's."""
     from ddtree.kernels.triton_tree import build_tree_triton
-    from ddtree.tree import build_tree_batched
+    from ddtree.tree import ancestor_mask, build_tree_batched, with_root
     gen = torch.Generator().manual_seed(budget + depth)
     lp = torch.log_softmax(torch.randn(3, depth, vocab, generator=gen) * 3, -1)
     lp[1] = torch.log_softmax(torch.randint(0, 3, (depth, vocab), generator=gen).float(), -1)  # many ties
     lp = lp.to(DEVICE)
-    want = build_tree_batched(lp, budget)
-    for w, g in zip(want, build_tree_triton(lp, budget)):
+    roots = torch.tensor([5, 0, vocab - 1], device=DEVICE)
+    want = with_root(roots, *build_tree_batched(lp, budget))
+    want = (*want, ancestor_mask(want[1], depth))
+    got = build_tree_triton(lp, budget, roots)
+    for w, g in zip(want, got):
         assert torch.equal(w, g)
+    assert got[3][:, 0, 0].all() and got[3].sum() > 0
 
 
 @pytest.mark.parametrize("k,vocab,chunk", [(1, 7, None), (5, 50, 8), (32, 300, 64), (100, 450, 128),
                                           (128, 700, 256)]
                          + ([(32, 49152, None), (64, 49152, None), (128, 151936, None)] if CUDA else []))
+@pytest.mark.parametrize("use_tl_topk", [False, True])
 @needs_kernels
-def test_triton_topk_matches_topk_per_depth(k, vocab, chunk):
+def test_triton_topk_matches_topk_per_depth(k, vocab, chunk, use_tl_topk):
     """Values and ids exactly as the shared top-k (value desc, smaller id first on ties, -0.0 ==
-    +0.0), with many ties and chunk boundaries."""
-    from ddtree.kernels.triton_tree import topk_triton
+    +0.0), with many ties and chunk boundaries; with Triton's bitonic top-k and with full sorts."""
+    from ddtree.kernels.triton_tree import HAS_TL_TOPK, topk_triton
+    if use_tl_topk and not HAS_TL_TOPK:
+        pytest.skip("this Triton has no tl.topk")
     from ddtree.tree import topk_per_depth
     gen = torch.Generator().manual_seed(k + vocab)
     x = torch.log_softmax(torch.randn(2, 3, vocab, generator=gen) * 3, -1)
     x[1] = torch.randint(-3, 1, (3, vocab), generator=gen).float()  # heavy ties
     x[1, 0, :vocab // 2] = -0.0
     want = topk_per_depth(x, k)
-    got = topk_triton(x.to(DEVICE), k, chunk)  # small chunks: many chunk boundaries
+    got = topk_triton(x.to(DEVICE), k, chunk, use_tl_topk=use_tl_topk)  # small chunks: many boundaries
     assert torch.equal(got[1].cpu(), want[1])
     assert torch.equal(got[0].cpu(), want[0])
 

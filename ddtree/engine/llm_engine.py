@@ -10,7 +10,8 @@ import torch
 
 from ddtree.engine.auto_budget import AutoBudget, auto_candidates
 from ddtree.engine.block_manager import BlockManager
-from ddtree.engine.runner import GRAPH_BUCKETS, METHODS, PREFILL_BUCKETS, Launched, ModelRunner
+from ddtree.engine.runner import (GRAPH_BUCKETS, METHODS, PREFILL_BUCKETS, PREFILL_SEQ_BUCKETS, Launched,
+                                  ModelRunner)
 from ddtree.engine.sampling_params import SamplingParams
 from ddtree.engine.scheduler import Scheduler
 from ddtree.engine.sequence import Sequence, SequenceMetrics
@@ -278,9 +279,14 @@ class LLMEngine:
         sampling=True also captures the graphs sampled batches use, so no capture stalls a step."""
         if not self.runner.use_graphs:
             return {}
-        for tokens in PREFILL_BUCKETS:  # prefill graphs too, so no capture stalls a request
-            if tokens <= self.config.max_num_batched_tokens:
-                self.runner.prefill_graph(tokens)
+        def up_to(buckets, limit):  # the buckets a value <= limit can fall in
+            return [b for i, b in enumerate(buckets) if i == 0 or buckets[i - 1] < limit]
+
+        # Prefill graphs too, so no capture stalls a request.
+        for tokens in up_to(PREFILL_BUCKETS, self.config.max_num_batched_tokens):
+            for seqs in up_to(PREFILL_SEQ_BUCKETS, self.config.max_num_seqs):
+                if seqs <= tokens:
+                    self.runner.prefill_graph(tokens, seqs)
         top = self.auto.bucket_of(self.config.max_num_seqs)
         for n in batch_sizes or [b for b in GRAPH_BUCKETS if b <= top]:
             bucket = self.auto.bucket_of(n)

@@ -7,7 +7,8 @@ The round is tensor-in, tensor-out with static shapes and no host reads, so on C
 round is captured once per (method, budget, batch bucket, sampling mode) as a CUDA graph and a
 step is one graph replay plus one read of the committed tokens; the next round can be launched
 from this one's device outputs before that read (``Launched``). Batches are padded to the bucket
-with rows that write only to scratch blocks. One-sequence prefill chunks are captured too.
+with rows that write only to scratch blocks. Prefill steps are captured too, by bucket of tokens
+and of sequences.
 """
 from __future__ import annotations
 
@@ -31,7 +32,8 @@ from ddtree.tree import positions as node_positions
 METHODS = ("ar", "dflash", "ddtree")
 STAGES = ("draft", "build", "verify", "accept", "commit", "context")
 GRAPH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
-PREFILL_BUCKETS = (16, 32, 64, 128, 256, 512)  # tokens of a one-sequence prefill chunk
+PREFILL_BUCKETS = (16, 32, 64, 128, 256, 512, 1024, 2048)  # tokens of a captured prefill step
+PREFILL_SEQ_BUCKETS = (1, 4, 16, 64)  # sequences of a captured prefill step
 
 
 @dataclass
@@ -40,6 +42,7 @@ class Tree:
     parents: torch.Tensor  # [N, T]
     depths: torch.Tensor   # [N, T]
     max_depth: int
+    ancestors: torch.Tensor  # [N, T, T] bool: node j is node i or one of its ancestors
 
     @property
     def size(self) -> int:
@@ -194,29 +197,30 @@ class StepGraph:
 
 
 class PrefillGraph:
-    """A one-sequence prefill chunk of up to ``tokens`` tokens, captured: an eager prefill is
-    hundreds of kernel launches, paid again by every new request. Inputs (token ids, positions,
-    cache slots, block table, cached length, chunk length) live in one static buffer filled from
-    a pinned host copy. Rows past the chunk are padding: their queries are masked out by the
-    chunk length and their K/V go to a scratch slot."""
+    """A prefill step of up to ``tokens`` new tokens from up to ``seqs`` sequences, captured: an
+    eager prefill is hundreds of kernel launches (12-20 ms on the H200 against 1-2 ms replayed),
+    paid whenever new requests join. Inputs (token ids, positions, cache slots, block tables,
+    cached lengths, query offsets) live in one static buffer filled from a pinned host copy.
+    Rows past the last chunk are padding: no sequence's queries cover them and their K/V go to a
+    scratch slot; padding sequences have no new tokens."""
 
-    def __init__(self, runner: "ModelRunner", tokens: int, pool):
-        T, W = tokens, runner.table_width
-        self.tokens, self.width, self.block_size = T, W, runner.blocks.block_size
+    def __init__(self, runner: "ModelRunner", tokens: int, seqs: int, pool):
+        T, S, W = tokens, seqs, runner.table_width
+        self.tokens, self.seqs, self.width, self.block_size = T, S, W, runner.blocks.block_size
         self.scratch_slot = runner.scratch[0] * self.block_size
-        self.h_ints = torch.zeros(3 * T + W + 3, dtype=torch.long).pin_memory()
+        self.h_ints = torch.zeros(3 * T + S * W + 2 * S + 1, dtype=torch.long).pin_memory()
         self.ints = torch.zeros_like(self.h_ints, device=runner.device)
         ids, positions, slots = self.ints[:T], self.ints[T:2 * T], self.ints[2 * T:3 * T]
-        table = self.ints[3 * T:3 * T + W].view(1, W)
-        cached, query_start = self.ints[3 * T + W:3 * T + W + 1], self.ints[3 * T + W + 1:]
-        ctx = AttentionContext(table, cached, query_start, slots, self.block_size, T, runner.max_context)
+        tables = self.ints[3 * T:3 * T + S * W].view(S, W)
+        cached, query_start = self.ints[3 * T + S * W:3 * T + S * W + S], self.ints[3 * T + S * W + S:]
+        ctx = AttentionContext(tables, cached, query_start, slots, self.block_size, T, runner.max_context)
 
         def forward():
             _, taps = runner.target(ids, positions, runner.target_kv, ctx, runner.taps)
             if runner.drafter_kv is not None:
                 runner.drafter.store_context(taps, positions, runner.drafter_kv, slots)
 
-        self.fill(runner.scratch[:1], 0, 1, [0])
+        self.fill([(runner.scratch[:1], 0, [0])])
         self.ints.copy_(self.h_ints)
         forward()  # warm up outside capture
         torch.cuda.synchronize()
@@ -224,23 +228,31 @@ class PrefillGraph:
         with torch.cuda.graph(self.graph, pool=pool):
             forward()
 
-    def fill(self, block_table: list[int], start: int, n: int, token_ids: list[int]) -> None:
-        T, W, bs = self.tokens, self.width, self.block_size
+    def fill(self, chunks: list[tuple[list[int], int, list[int]]]) -> None:
+        """chunks: (block table, first position, token ids) per sequence."""
+        T, S, W, bs = self.tokens, self.seqs, self.width, self.block_size
         h = self.h_ints.numpy()
-        pos = np.arange(start, start + n)
-        h[:n] = token_ids
-        h[n:T] = 0
-        h[T:T + n] = pos
-        h[T + n:2 * T] = 0
-        h[2 * T:2 * T + n] = np.asarray(block_table)[pos // bs] * bs + pos % bs
-        h[2 * T + n:3 * T] = self.scratch_slot
-        h[3 * T:3 * T + W] = 0
-        h[3 * T:3 * T + len(block_table)] = block_table
-        h[3 * T + W:] = (start, 0, n)
+        h[:] = 0
+        ids, positions, slots = h[:T], h[T:2 * T], h[2 * T:3 * T]
+        tables = h[3 * T:3 * T + S * W].reshape(S, W)
+        cached, query_start = h[3 * T + S * W:3 * T + S * W + S], h[3 * T + S * W + S:]
+        off = 0
+        for i, (table, start, token_ids) in enumerate(chunks):
+            n = len(token_ids)
+            pos = np.arange(start, start + n)
+            ids[off:off + n] = token_ids
+            positions[off:off + n] = pos
+            slots[off:off + n] = np.asarray(table)[pos // bs] * bs + pos % bs
+            tables[i, :len(table)] = table
+            cached[i] = start
+            off += n
+            query_start[i + 1] = off
+        slots[off:] = self.scratch_slot
+        query_start[len(chunks) + 1:] = off
 
-    def run(self, seq: Sequence, n: int) -> None:
-        a = seq.num_cached
-        self.fill(seq.block_table, a, n, seq.token_ids[a:a + n])
+    def run(self, seqs: list[Sequence], chunks: list[int]) -> None:
+        self.fill([(s.block_table, s.num_cached, s.token_ids[s.num_cached:s.num_cached + n])
+                   for s, n in zip(seqs, chunks)])
         self.ints.copy_(self.h_ints, non_blocking=True)
         self.graph.replay()
         # The pinned buffer is refilled by the next call: wait until this upload has been read.
@@ -278,7 +290,7 @@ class ModelRunner:
         self.taps = tuple(getattr(drafter, "taps", ()))
         self.use_graphs = cuda_graphs and device.type == "cuda"
         self.graphs: dict[tuple[StepKind, int, bool], StepGraph] = {}
-        self.prefill_graphs: dict[int, PrefillGraph] = {}
+        self.prefill_graphs: dict[tuple[int, int], PrefillGraph] = {}  # (tokens, sequences)
         self.graph_pool = torch.cuda.graph_pool_handle() if self.use_graphs else None
         self.profile_stages = False       # record a per-stage split of graph replays
         self.stage_seconds: dict[str, float] = defaultdict(float)
@@ -313,11 +325,13 @@ class ModelRunner:
     @torch.inference_mode()
     def prefill(self, seqs: list[Sequence], chunks: list[int]) -> None:
         """Run the target over uncached prompt tokens (never the last one: it is the first root)."""
-        bucket = next((b for b in PREFILL_BUCKETS if b >= chunks[0]), None)
-        if self.use_graphs and len(seqs) == 1 and bucket is not None:
+        tokens = next((b for b in PREFILL_BUCKETS if b >= sum(chunks)), None)
+        width = next((b for b in PREFILL_SEQ_BUCKETS if b >= len(seqs)), None)
+        if self.use_graphs and tokens is not None and width is not None:
             with self.timer("prefill"):
-                self.prefill_graph(bucket).run(seqs[0], chunks[0])
-            seqs[0].num_cached += chunks[0]
+                self.prefill_graph(tokens, width).run(seqs, chunks)
+            for seq, n in zip(seqs, chunks):
+                seq.num_cached += n
             return
         ids, pos = [], []
         for seq, n in zip(seqs, chunks):
@@ -334,10 +348,10 @@ class ModelRunner:
         for seq, n in zip(seqs, chunks):
             seq.num_cached += n
 
-    def prefill_graph(self, tokens: int) -> PrefillGraph:
-        graph = self.prefill_graphs.get(tokens)
+    def prefill_graph(self, tokens: int, seqs: int = 1) -> PrefillGraph:
+        graph = self.prefill_graphs.get((tokens, seqs))
         if graph is None:
-            graph = self.prefill_graphs[tokens] = PrefillGraph(self, tokens, self.graph_pool)
+            graph = self.prefill_graphs[(tokens, seqs)] = PrefillGraph(self, tokens, seqs, self.graph_pool)
         return graph
 
     # ---- one decode round --------------------------------------------------------------------
@@ -474,8 +488,7 @@ class ModelRunner:
             state["verified"] = self.verify(kind, inp, state["tree"], max_keys)
 
         def accept():
-            logits, ancestors = state["verified"][0], state["verified"][3]
-            state["accepted"] = self.accept(kind, inp, state["tree"], logits, ancestors, generators)
+            state["accepted"] = self.accept(kind, inp, state["tree"], state["verified"][0], generators)
 
         def commit():
             state["out"], state["dst"] = self.commit(kind, state["tree"], state["accepted"], state["verified"][2])
@@ -506,7 +519,12 @@ class ModelRunner:
         return torch.log_softmax(self.target.logits(hidden.to(self.dtype)), -1)
 
     def build(self, kind: StepKind, roots: torch.Tensor, logprobs) -> Tree:
+        """The tree to verify, root first, with its ancestor mask."""
         N = roots.shape[0]
+        if kind.method == "ddtree" and triton_enabled(logprobs):
+            from ddtree.kernels.triton_tree import build_tree_triton
+            tokens, parents, depths, ancestors = build_tree_triton(logprobs, kind.budget, roots)
+            return Tree(tokens, parents, depths, min(logprobs.shape[1], tokens.shape[1] - 1), ancestors)
         if kind.method == "ar":
             empty = torch.zeros(N, 0, dtype=torch.long, device=self.device)
             tokens, parents, depths, max_depth = empty, empty, empty, 0
@@ -514,39 +532,38 @@ class ModelRunner:
             tokens, parents, depths = chain_tree(logprobs)
             max_depth = logprobs.shape[1]
         else:
-            if triton_enabled(logprobs):
-                from ddtree.kernels.triton_tree import build_tree_triton
-                tokens, parents, depths = build_tree_triton(logprobs, kind.budget)
-            else:
-                tokens, parents, depths = build_tree_batched(logprobs, kind.budget)
+            tokens, parents, depths = build_tree_batched(logprobs, kind.budget)
             max_depth = logprobs.shape[1]
         tokens, parents, depths = with_root(roots, tokens, parents, depths)
-        return Tree(tokens, parents, depths, min(max_depth, tokens.shape[1] - 1))
+        T, max_depth = tokens.shape[1], min(max_depth, tokens.shape[1] - 1)
+        if kind.method == "ddtree":
+            ancestors = ancestor_mask(parents, max_depth)
+        else:  # a chain's ancestor mask is causal
+            ancestors = torch.ones(T, T, dtype=torch.bool, device=self.device).tril().expand(N, T, T)
+        return Tree(tokens, parents, depths, max_depth, ancestors)
 
     def verify(self, kind: StepKind, inp: StepInputs, tree: Tree, max_keys: int):
         """One target pass over root + all nodes with the ancestor mask and depth positions."""
         N, T = tree.tokens.shape
         positions = node_positions(inp.starts, tree.depths).reshape(-1)
         if kind.method == "ddtree":
-            ancestors = ancestor_mask(tree.parents, tree.max_depth)
             ctx = AttentionContext.uniform(inp.tables, inp.starts, T, self.blocks.block_size, max_keys,
-                                           mask="tree", tree_mask=ancestors)
-        else:  # a chain's ancestor mask is causal
-            ancestors = torch.ones(T, T, dtype=torch.bool, device=self.device).tril().expand(N, T, T)
+                                           mask="tree", tree_mask=tree.ancestors)
+        else:  # a chain's mask is causal
             ctx = AttentionContext.uniform(inp.tables, inp.starts, T, self.blocks.block_size, max_keys)
         taps = self.taps if (kind.method != "ar" or kind.store_context) else ()
         hidden, tapped = self.target(tree.tokens.reshape(-1), positions, self.target_kv, ctx, taps)
         logits = self.target.logits(hidden).view(N, T, -1)
-        return logits, (tapped.view(N, T, -1) if tapped is not None else None), ctx.slot_mapping.view(N, T), ancestors
+        return logits, (tapped.view(N, T, -1) if tapped is not None else None), ctx.slot_mapping.view(N, T)
 
-    def accept(self, kind: StepKind, inp: StepInputs, tree: Tree, logits, ancestors, generators):
+    def accept(self, kind: StepKind, inp: StepInputs, tree: Tree, logits, generators):
         samples = sample_from_logits(logits, inp.temperature, inp.top_k, inp.top_p, generators,
                                      all_greedy=kind.sampling == "greedy",
                                      use_filters=kind.sampling == "filtered")
         if kind.method == "ar":  # a root-only tree: the walk's answer without its kernels
             path = torch.zeros_like(tree.tokens)
             return path, torch.ones_like(inp.roots), samples[:, 0]
-        return accept_walk(tree.tokens, tree.parents, tree.depths, samples, tree.max_depth, ancestors)
+        return accept_walk(tree.tokens, tree.parents, tree.depths, samples, tree.max_depth, tree.ancestors)
 
     def commit(self, kind: StepKind, tree: Tree, accepted, slots):
         """Move accepted K/V into chain order (the compaction); returns ((tokens [N, L] root first,

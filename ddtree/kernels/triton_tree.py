@@ -1,7 +1,8 @@
 """DDTree construction as one Triton program per sequence (the CUDA path of ``build_tree_batched``).
 
 Same beams, same tie rule, same output as the torch builder (``ddtree.tree.build``), but the ~10
-kernel launches per depth become one launch for the whole tree. Two facts keep it small:
+kernel launches per depth become one launch for the whole tree, which also writes the root and the
+ancestor mask (about 30 tiny launches in torch). Two facts keep it small:
 
 - Per depth only pairs (parent j, rank r) with (j+1)(r+1) <= n_d can reach the top n_d: beams
   and ranks are sorted, fp32 addition is monotone and ties prefer smaller (j, r), so every pair
@@ -30,10 +31,11 @@ def _sort_key(score, tie):
 
 
 @triton.jit
-def _build_tree_kernel(LP, TOK, SIZES, OFFS, PAIR_J, PAIR_R,
-                       ALL_SCORE, ALL_TOK, ALL_PAR, INV, OUT_TOK, OUT_PAR, OUT_DEP,
+def _build_tree_kernel(LP, TOK, ROOTS, SIZES, OFFS, PAIR_J, PAIR_R,
+                       ALL_SCORE, ALL_TOK, ALL_PAR, INV, OUT_TOK, OUT_PAR, OUT_DEP, MASK,
                        D: tl.constexpr, K: tl.constexpr, N_NODES: tl.constexpr, TOTAL: tl.constexpr,
-                       CAND: tl.constexpr, KP2: tl.constexpr, TOTAL_P2: tl.constexpr):
+                       CAND: tl.constexpr, KP2: tl.constexpr, TOTAL_P2: tl.constexpr,
+                       T_P2: tl.constexpr, MASK_ROWS: tl.constexpr, MAX_DEPTH: tl.constexpr):
     n = tl.program_id(0).to(tl.int64)
     lp = LP + n * D * K
     tok = TOK + n * D * K
@@ -86,10 +88,30 @@ def _build_tree_kernel(LP, TOK, SIZES, OFFS, PAIR_J, PAIR_R,
         depth += (pos >= tl.load(OFFS + d)).to(tl.int32)
     parent_pos = tl.load(all_par + pos, mask=chosen, other=-1)
     parent_out = tl.load(inv + parent_pos, mask=chosen & (parent_pos >= 0), other=-1)
-    # Results are in sorted order already: element p of the sorted arrays is output node p.
-    tl.store(OUT_TOK + n * N_NODES + p, tl.load(all_tok + pos, mask=chosen, other=0), mask=chosen)
-    tl.store(OUT_PAR + n * N_NODES + p, (parent_out + 1).to(tl.int64), mask=chosen)
-    tl.store(OUT_DEP + n * N_NODES + p, (depth + 1).to(tl.int64), mask=chosen)
+    # Results are in sorted order already: element p of the sorted arrays is output node p, which
+    # is node p + 1 of the full tree (root at 0, its own parent).
+    T: tl.constexpr = N_NODES + 1
+    out_tok, out_par, out_dep = OUT_TOK + n * T, OUT_PAR + n * T, OUT_DEP + n * T
+    tl.store(out_tok + 1 + p, tl.load(all_tok + pos, mask=chosen, other=0), mask=chosen)
+    tl.store(out_par + 1 + p, (parent_out + 1).to(tl.int64), mask=chosen)
+    tl.store(out_dep + 1 + p, (depth + 1).to(tl.int64), mask=chosen)
+    tl.store(out_tok, tl.load(ROOTS + n))
+    tl.store(out_par, 0)
+    tl.store(out_dep, 0)
+    tl.debug_barrier()
+
+    # Ancestor mask (node itself included): follow parent pointers MAX_DEPTH times.
+    cols = tl.arange(0, T_P2)
+    for r0 in range(0, T, MASK_ROWS):
+        i = r0 + tl.arange(0, MASK_ROWS)
+        row_ok = i < T
+        cur = tl.where(row_ok, i, 0).to(tl.int64)
+        m = cols[None, :] == cur[:, None]
+        for _ in range(MAX_DEPTH):
+            cur = tl.load(out_par + cur)
+            m = m | (cols[None, :] == cur[:, None])
+        tl.store(MASK + n * T * T + i[:, None] * T + cols[None, :], m.to(tl.int8),
+                 mask=row_ok[:, None] & (cols[None, :] < T))
 
 
 @triton.jit
@@ -100,8 +122,14 @@ def _vocab_key(x, idx, V):
     return (ordered.to(tl.int64) << 32) | (V - 1 - idx).to(tl.int64)
 
 
+# Triton >= 3.4 has a bitonic top-k that sorts only k-element runs and halves the data between
+# merges; older versions fall back to a full sort of each chunk.
+HAS_TL_TOPK = hasattr(tl, "topk")
+
+
 @triton.jit
-def _chunk_topk_kernel(X, KEYS, stride_x, V, CHUNK: tl.constexpr, KP: tl.constexpr):
+def _chunk_topk_kernel(X, KEYS, stride_x, V, CHUNK: tl.constexpr, KP: tl.constexpr,
+                       USE_TL_TOPK: tl.constexpr):
     """The KP largest keys of one vocabulary chunk of one row, in order."""
     r = tl.program_id(0).to(tl.int64)
     c = tl.program_id(1)
@@ -109,18 +137,26 @@ def _chunk_topk_kernel(X, KEYS, stride_x, V, CHUNK: tl.constexpr, KP: tl.constex
     ok = idx < V
     x = tl.load(X + r * stride_x + idx, mask=ok, other=0.0)
     key = tl.where(ok, _vocab_key(x, idx, V), _INT64_MIN)
-    key = tl.sort(key, descending=True)
-    j = tl.arange(0, CHUNK)
-    tl.store(KEYS + (r * tl.num_programs(1) + c) * KP + j, key, mask=j < KP)
+    dst = KEYS + (r * tl.num_programs(1) + c) * KP
+    if USE_TL_TOPK:
+        tl.store(dst + tl.arange(0, KP), tl.topk(key, KP))
+    else:
+        j = tl.arange(0, CHUNK)
+        tl.store(dst + j, tl.sort(key, descending=True), mask=j < KP)
 
 
 @triton.jit
-def _merge_topk_kernel(KEYS, X, OUT_V, OUT_I, stride_x, V, K, N_CAND, CP: tl.constexpr):
+def _merge_topk_kernel(KEYS, X, OUT_V, OUT_I, stride_x, V, K, N_CAND, CP: tl.constexpr,
+                       KP: tl.constexpr, USE_TL_TOPK: tl.constexpr):
     """The K largest of a row's chunk winners -> values (gathered from X) and token ids."""
     r = tl.program_id(0).to(tl.int64)
     j = tl.arange(0, CP)
     key = tl.load(KEYS + r * N_CAND + j, mask=j < N_CAND, other=_INT64_MIN)
-    key = tl.sort(key, descending=True)
+    if USE_TL_TOPK:
+        key = tl.topk(key, KP)
+        j = tl.arange(0, KP)
+    else:
+        key = tl.sort(key, descending=True)
     idx = (V - 1) - (key & 0xFFFFFFFF)
     keep = j < K
     tl.store(OUT_V + r * K + j, tl.load(X + r * stride_x + idx, mask=keep, other=0.0), mask=keep)
@@ -136,7 +172,8 @@ def _topk_plan(rows: int, k: int) -> tuple[int, int, int]:
 
 
 def topk_triton(logprobs: torch.Tensor, k: int, chunk: int | None = None,
-                warps: tuple[int, int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                warps: tuple[int, int] | None = None,
+                use_tl_topk: bool = HAS_TL_TOPK) -> tuple[torch.Tensor, torch.Tensor]:
     """``topk_per_depth`` (0 < k < V) in two launches: each program sorts one vocabulary chunk
     and keeps its k best keys, then one program per row sorts the winners. Replaces an int64
     radix select over the whole vocabulary (8 passes of 4 kernels, ~70 us on an H200 for
@@ -150,17 +187,19 @@ def topk_triton(logprobs: torch.Tensor, k: int, chunk: int | None = None,
         x2 = x2.contiguous()
     R = x2.shape[0]
     kp = triton.next_power_of_2(k)
+    use_tl_topk = use_tl_topk and kp > 1  # Triton 3.6's tl.topk fails to compile for k = 1
     plan_chunk, w1, w2 = _topk_plan(R, k)
     w1, w2 = warps or (w1, w2)
     chunk = chunk or max(kp, min(plan_chunk, triton.next_power_of_2(V)))
     chunks = triton.cdiv(V, chunk)
     keys = torch.empty(R, chunks * kp, device=x.device, dtype=torch.int64)
-    _chunk_topk_kernel[(R, chunks)](x2, keys, x2.stride(0), V, CHUNK=chunk, KP=kp, num_warps=w1)
+    _chunk_topk_kernel[(R, chunks)](x2, keys, x2.stride(0), V, CHUNK=chunk, KP=kp,
+                                    USE_TL_TOPK=use_tl_topk, num_warps=w1)
     vals = torch.empty(R, k, device=x.device, dtype=torch.float32)
     ids = torch.empty(R, k, device=x.device, dtype=torch.int64)
     cp = triton.next_power_of_2(chunks * kp)
-    _merge_topk_kernel[(R,)](keys, x2, vals, ids, x2.stride(0), V, k, chunks * kp, CP=cp,
-                             num_warps=w2)
+    _merge_topk_kernel[(R,)](keys, x2, vals, ids, x2.stride(0), V, k, chunks * kp, CP=cp, KP=kp,
+                             USE_TL_TOPK=use_tl_topk, num_warps=w2)
     return vals.view(*lead, k), ids.view(*lead, k)
 
 
@@ -188,14 +227,23 @@ def _plan(budget: int, depth: int, vocab: int, device):
     return _PLANS[key]
 
 
-def build_tree_triton(logprobs: torch.Tensor, budget: int, num_warps: int | None = None):
-    """``build_tree_batched`` in one launch: logprobs [N, D, V] -> (tokens, parents, depths) [N, B']."""
+def build_tree_triton(logprobs: torch.Tensor, budget: int, roots: torch.Tensor,
+                      num_warps: int | None = None):
+    """``build_tree_batched`` + ``with_root`` + ``ancestor_mask`` in one launch after the top-k:
+    logprobs [N, D, V], roots [N] -> full trees (tokens, parents, depths) [N, T] with the root at
+    0, and the ancestor mask [N, T, T] (bool), T = B' + 1."""
     N, D, V = logprobs.shape
     device = logprobs.device
     n_nodes = effective_budget(budget, D, V)
+    T = n_nodes + 1
+    out = [torch.empty(N, T, device=device, dtype=torch.long) for _ in range(3)]
+    mask = torch.empty(N, T, T, device=device, dtype=torch.bool)
     if n_nodes == 0:
-        e = torch.empty(N, 0, dtype=torch.long, device=device)
-        return e, e.clone(), e.clone()
+        out[0].copy_(roots.view(N, 1))
+        out[1].zero_()
+        out[2].zero_()
+        mask.fill_(True)
+        return (*out, mask)
     K, sizes, offs, pair_j, pair_r, total, cand = _plan(budget, D, V, device)
     lp, tok = topk_triton(logprobs, K) if 0 < K < V else topk_per_depth(logprobs, K)
     lp = lp.clamp(max=0.0).contiguous()
@@ -205,11 +253,12 @@ def build_tree_triton(logprobs: torch.Tensor, budget: int, num_warps: int | None
     all_tok = torch.empty(N, total_p2, device=device, dtype=torch.long)
     all_par = torch.empty(N, total_p2, device=device, dtype=torch.int32)
     inv = torch.empty(N, total_p2, device=device, dtype=torch.int32)
-    out = [torch.empty(N, n_nodes, device=device, dtype=torch.long) for _ in range(3)]
+    t_p2 = triton.next_power_of_2(T)
     _build_tree_kernel[(N,)](
-        lp, tok, sizes, offs, pair_j, pair_r, all_score, all_tok, all_par, inv, *out,
+        lp, tok, roots.to(torch.long).contiguous(), sizes, offs, pair_j, pair_r, all_score, all_tok,
+        all_par, inv, *out, mask.view(torch.int8),
         D=D, K=K, N_NODES=n_nodes, TOTAL=total, CAND=cand, KP2=triton.next_power_of_2(K),
-        TOTAL_P2=total_p2,
+        TOTAL_P2=total_p2, T_P2=t_p2, MASK_ROWS=max(1, min(t_p2, 8192 // t_p2)),
+        MAX_DEPTH=min(D, n_nodes),
         num_warps=num_warps or (4 if total_p2 <= 1024 else 8))
-    return tuple(out)
-
+    return (*out, mask)

@@ -97,15 +97,16 @@ def round_ms(llm, method, budget, n, skip=(), context=400, reps=100):
     return start.elapsed_time(end) / reps
 
 
-def prefill_ms(llm, tokens: int, graphs: bool, reps: int = 5) -> float:
-    """Wall ms of the prefill step of a ``tokens``-token prompt (captured chunk or eager)."""
+def prefill_ms(llm, tokens: int, graphs: bool, seqs: int = 1, reps: int = 5) -> float:
+    """Wall ms of the prefill step of ``seqs`` prompts of ``tokens`` tokens (captured or eager)."""
     engine = llm.engine
     runner = engine.runner
     runner.use_graphs = graphs
     times = []
     for i in range(reps + 1):
-        seq = engine.add_request(list(range(1 + i, tokens + 1 + i)),
-                                 SamplingParams(temperature=0, max_tokens=1, ignore_eos=True), method="ar")
+        for j in range(seqs):
+            engine.add_request(list(range(1 + i + j, tokens + 1 + i + j)),
+                               SamplingParams(temperature=0, max_tokens=1, ignore_eos=True), method="ar")
         torch.cuda.synchronize()
         t0 = time.perf_counter()
         engine.step()  # the prefill
@@ -188,10 +189,10 @@ def main():
         print(f"n={n} B={budget}: round {whole:.3f} ms; marginal ms " + ", ".join(
             f"{k} {v:.3f}" for k, v in row.items() if k not in ("n", "budget", "round_ms")), flush=True)
     result["prefill_ms"] = {}
-    for tokens in (40, 150, 400):
-        eager, graph = prefill_ms(llm, tokens, False), prefill_ms(llm, tokens, True)
-        result["prefill_ms"][tokens] = {"eager": eager, "graph": graph}
-        print(f"prefill {tokens:4d} tokens: eager {eager:7.2f} ms  graph {graph:7.2f} ms", flush=True)
+    for seqs, tokens in ((1, 40), (1, 150), (1, 400), (4, 100), (16, 100), (16, 120)):
+        eager, graph = prefill_ms(llm, tokens, False, seqs), prefill_ms(llm, tokens, True, seqs)
+        result["prefill_ms"][f"{seqs}x{tokens}"] = {"eager": eager, "graph": graph}
+        print(f"prefill {seqs:2d} x {tokens:4d} tokens: eager {eager:7.2f} ms  graph {graph:7.2f} ms", flush=True)
     for method, budget in () if args.no_kernels else (("ar", 0), ("ddtree", 32)):
         table = kernel_table(llm, method, budget, args.context)
         total = sum(v[1] for v in table.values())
