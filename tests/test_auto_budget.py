@@ -2,6 +2,7 @@
 import itertools
 
 from ddtree.engine.auto_budget import AutoBudget, auto_candidates
+from ddtree import SamplingParams
 from ddtree.engine.llm import SHIPPED_DRAFTERS
 
 from conftest import GREEDY_64, make_llm
@@ -30,7 +31,7 @@ def test_candidates():
 
 
 def test_picks_trees_when_cheap_and_plain_decoding_under_load():
-    controller = AutoBudget(auto_candidates(64, True), bucket_of=lambda n: n)
+    controller = AutoBudget(auto_candidates(64, True), bucket_of=lambda n: n, cheaper_margin=0.0)
 
     def cost(n, cand):  # verify cost grows with the tokens verified, steeply at large batches
         tokens = {"ar": 1, "dflash": 16}.get(cand[0], cand[1] + 1)
@@ -47,7 +48,7 @@ def test_picks_trees_when_cheap_and_plain_decoding_under_load():
 def test_a_stall_does_not_freeze_out_the_best_candidate():
     """A step that captured a graph is not timed, and one slow step (GC, another process)
     does not move the cost estimate (median of recent steps), so the best tree stays the choice."""
-    controller = AutoBudget(auto_candidates(16, True), bucket_of=lambda n: n)
+    controller = AutoBudget(auto_candidates(16, True), bucket_of=lambda n: n, cheaper_margin=0.0)
 
     def cost(n, cand):
         return {"ar": 1.0, "dflash": 1.2}.get(cand[0], 1.2)
@@ -90,7 +91,7 @@ def test_own_step_times_replace_a_wrong_startup_curve():
 def test_exploration_reaches_trees_that_are_not_neighbours_of_the_best():
     """Plain decoding leads, the chain is clearly worse, a tree is close: the tree is retried
     (not only the chain next to plain decoding), so a stale tau estimate gets corrected."""
-    controller = AutoBudget(auto_candidates(32, True), bucket_of=lambda n: n)
+    controller = AutoBudget(auto_candidates(32, True), bucket_of=lambda n: n, cheaper_margin=0.0)
     cost = {"ar": 1.0, "dflash": 2.0, "ddtree": 1.5}
     tau = {("ar", 0): 1.0, ("dflash", 0): 1.2}
     stale = lambda c: tau.get(c, 1.4)  # noqa: E731 - trees looked worse than plain decoding
@@ -136,6 +137,19 @@ def test_auto_rate_close_to_the_best_in_simulation():
     assert sum(rates) / len(rates) >= 0.95, rates
 
 
+def test_a_cheaper_step_wins_when_rates_are_close():
+    controller = AutoBudget(auto_candidates(64, True), bucket_of=lambda n: n, min_tries=1)
+    cost = {("ar", 0): 1.0, ("dflash", 0): 1.5, ("ddtree", 8): 1.50, ("ddtree", 16): 1.52,
+            ("ddtree", 32): 1.55, ("ddtree", 64): 1.70}
+    tau = {("ar", 0): 1.0, ("dflash", 0): 1.3, ("ddtree", 8): 1.45, ("ddtree", 16): 1.55,
+           ("ddtree", 32): 1.6, ("ddtree", 64): 1.9}  # rates: 1.0 .87 .97 1.02 1.03 1.12
+    for cand in cost:
+        controller.observe(1, cand, cost[cand], tau[cand])
+    assert controller.best(1) == ("ddtree", 64)  # 8% over the next: the margin is 5%
+    controller.observe(1, ("ddtree", 64), 1.70, 1.5)  # tau(64) -> 1.7, rate 1.0
+    assert controller.best(1) == ("ar", 0)  # the cheapest step within 5% of the best (1.03)
+
+
 def test_tau_is_monotone_in_the_budget():
     controller = AutoBudget(auto_candidates(32, True), bucket_of=lambda n: n, min_tries=1)
     for cand, tau in [(("ar", 0), 1.0), (("dflash", 0), 1.5), (("ddtree", 8), 2.0), (("ddtree", 16), 1.2),
@@ -157,3 +171,26 @@ def test_switching_methods_every_step_stays_lossless(smol, tokenizer, prompts, a
     assert len(set(llm.engine.step_choices)) == len(llm.engine.auto.candidates)
     lens = [n for o in outs for n in o.metrics.accepted_lengths]
     assert sum(lens) / len(lens) > 1.3  # speculative steps accepted tokens (context was right)
+
+
+def test_a_tree_step_gives_every_smaller_tree_its_accepted_length(smol, tokenizer, prompts):
+    """Auto's tau samples for smaller trees, taken from a bigger tree's step, equal what those
+    trees accept when they run the same step themselves (greedy, first step after the prompt)."""
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    llm = make_llm(smol, tokenizer, method="ddtree", budget="auto", drafter=SHIPPED, max_budget=32)
+    llm.engine.auto.choose = lambda n: ("ddtree", 32)
+    seen = []
+    observe_tau = llm.engine.auto.observe_tau
+    llm.engine.auto.observe_tau = lambda cand, tau: (seen.append((cand, tau)), observe_tau(cand, tau))
+    fixed = {b: make_llm(smol, tokenizer, method="ddtree", budget=b, drafter=SHIPPED) for b in (8, 16)}
+    checked = 0
+    for p in prompts[:5]:
+        seen.clear()
+        llm.generate([p], params)
+        predicted = {cand[1]: tau for cand, tau in seen[:3]}  # the first step's samples
+        assert set(predicted) == {8, 16, 32}
+        for b, other in fixed.items():
+            actual = other.generate([p], params)[0].metrics.accepted_lengths[0]
+            assert predicted[b] == actual, (b, predicted, actual)
+            checked += actual > 1
+    assert checked > 0  # some steps accepted drafted tokens, so the cut was tested

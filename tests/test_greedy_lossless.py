@@ -165,7 +165,7 @@ def _emulated_step_graph(runner_mod):
             for fn in stages:
                 fn()
             _, self.num_accepted, self.bonus = (t.clone() for t in state["out"])
-            self.packed = runner_mod.pack_outputs(*state["out"])
+            self.packed = runner_mod.pack_outputs(*state["out"], state["accepted"][0])
             graph = self
 
             class Replay:
@@ -175,7 +175,7 @@ def _emulated_step_graph(runner_mod):
                     _, acc, bonus = state["out"]
                     graph.num_accepted.copy_(acc)
                     graph.bonus.copy_(bonus)
-                    graph.packed.copy_(runner_mod.pack_outputs(*state["out"]))
+                    graph.packed.copy_(runner_mod.pack_outputs(*state["out"], state["accepted"][0]))
 
             self.graphs, self.events = [Replay()], []
             self.h_out = [torch.zeros(self.packed.shape, dtype=torch.long) for _ in range(2)]

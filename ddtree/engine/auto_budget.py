@@ -11,8 +11,12 @@ candidate with the largest tau(c) / cost(n, c):
   With the curve alone, auto ran 11% of its steps on the chain at c=16 in the H200 grid, where
   the chain measured 0.65x the speed of plain decoding.
 - tau: tokens committed per sequence per step, the mean over the candidate's last
-  ``tau_window`` real steps (plain decoding is exactly 1), lifted to the best smaller tree's (a
-  bigger tree contains it). One step's accepted length varies a lot (1 to 16), and a candidate's
+  ``tau_window`` steps (plain decoding is exactly 1), lifted to the best smaller tree's (a
+  bigger tree contains it). A tree's step also counts for every smaller tree: the first b nodes
+  of a tree are the tree of budget b, so cutting the accepted path at the first node past b
+  gives what that tree would have accepted. (Without this, a smaller tree's estimate rested on
+  its few exploration steps: at c=1 in the H200 grid auto ran B=64 in 224 of 262 steps where
+  B=32 was 1.05x faster.) One step's accepted length varies a lot (1 to 16), and a candidate's
   estimate only moves when it runs: a short average (an EMA of weight 0.2 before) dips by
   chance, the candidate stops running and the dip sticks. In a simulation of the H200's c=1
   costs and tau (``test_auto_rate_close_to_the_best_in_simulation``) that left auto at 0.87x
@@ -22,6 +26,12 @@ candidate with the largest tau(c) / cost(n, c):
   estimate is within ``explore_margin`` of the best, so estimates stay fresh. (Trying only the
   best's neighbours left trees unexplored behind plain decoding after a change of load: at
   c=1 auto stayed on plain decoding while a 32-node tree was 1.11x faster.)
+
+When rates are within ``cheaper_margin`` (5%) of the best, the cheapest step wins: costs the
+model does not see grow with speculation (requests finish at staggered steps, so new prompts are
+prefilled in more, smaller steps; the rounds near a request's end cannot be overlapped), and in
+the H200 grid at c=4 and c=16 auto lost 4-15% to plain decoding on trees or the chain whose
+estimates were within a few percent of it.
 
 Larger batches make verification cost grow with the tree, so the choice slides from big trees
 at concurrency 1 to small trees, the chain, or plain decoding when the GPU is saturated.
@@ -44,10 +54,12 @@ def auto_candidates(cap: int, has_drafter: bool) -> list[tuple[str, int]]:
 
 class AutoBudget:
     def __init__(self, candidates: list[tuple[str, int]], bucket_of, tau_window: int = 128,
-                 explore_every: int = 32, explore_margin: float = 0.8, min_tries: int = 4):
+                 explore_every: int = 32, explore_margin: float = 0.8, min_tries: int = 4,
+                 cheaper_margin: float = 0.05):
         self.candidates = candidates
         self.bucket_of = bucket_of
         self.explore_every, self.explore_margin = explore_every, explore_margin
+        self.cheaper_margin = cheaper_margin
         self.tau_window = tau_window
         self.tau: dict[tuple[str, int], float] = {("ar", 0): 1.0}
         self.tau_recent: dict[tuple[str, int], deque] = {}  # recent tokens per sequence per step
@@ -90,7 +102,7 @@ class AutoBudget:
             if self.tries.get(cand, 0) < self.min_tries or self.step_cost(bucket, cand) is None:
                 return cand
         rates = {c: self.rate(bucket, c) for c in self.candidates}
-        best = max(self.candidates, key=rates.get)
+        best = self._pick(bucket, rates)
         self.steps += 1
         if self.steps % self.explore_every == 0:
             # Only refresh candidates that could plausibly win: a clearly worse one costs real time.
@@ -107,9 +119,7 @@ class AutoBudget:
         self.observed += 1
         self.last_run[cand] = self.observed
         if cand != ("ar", 0):
-            recent = self.tau_recent.setdefault(cand, deque(maxlen=self.tau_window))
-            recent.append(tokens_per_seq)
-            self.tau[cand] = sum(recent) / len(recent)
+            self.observe_tau(cand, tokens_per_seq)
         if seconds is None:
             return
         self.samples.setdefault((bucket, cand), deque(maxlen=self.WINDOW)).append(seconds)
@@ -117,9 +127,23 @@ class AutoBudget:
             self.overhead_samples.setdefault(bucket, deque(maxlen=self.WINDOW)).append(
                 max(0.0, seconds - self.prior[(bucket, cand)]))
 
+    def observe_tau(self, cand, tokens_per_seq: float) -> None:
+        """One step's tokens per sequence for ``cand``: from its own step, or from a bigger tree's
+        step, whose first b nodes are exactly the tree of budget b (the walk's result there is
+        the accepted path cut at the first node past b)."""
+        recent = self.tau_recent.setdefault(cand, deque(maxlen=self.tau_window))
+        recent.append(tokens_per_seq)
+        self.tau[cand] = sum(recent) / len(recent)
+
     def best(self, n: int) -> tuple[str, int] | None:
         """The current choice without exploring (None until everything was tried)."""
         bucket = self.bucket_of(n)
         if any(self.tries.get(c, 0) < self.min_tries or self.step_cost(bucket, c) is None for c in self.candidates):
             return None
-        return max(self.candidates, key=lambda c: self.rate(bucket, c))
+        return self._pick(bucket, {c: self.rate(bucket, c) for c in self.candidates})
+
+    def _pick(self, bucket: int, rates: dict) -> tuple[str, int]:
+        """The cheapest step among the candidates within ``cheaper_margin`` of the best rate."""
+        top = max(rates.values())
+        close = [c for c in self.candidates if rates[c] >= top / (1 + self.cheaper_margin)]
+        return min(close, key=lambda c: self.step_cost(bucket, c))

@@ -264,6 +264,11 @@ class LLMEngine:
             seconds = now - (self._last_read if launched.after else launched.started) if launched.timed else None
             self.auto.observe(len(launched.seqs), (launched.kind.method, launched.kind.budget), seconds,
                               sum(map(len, out)) / len(out))
+            if launched.kind.method == "ddtree":  # what each smaller tree would have accepted
+                for method, b in self.auto.candidates:
+                    if method == "ddtree" and b < launched.kind.budget:
+                        self.auto.observe_tau((method, b), sum(1 + sum(j <= b for j in nodes)
+                                                               for nodes in launched.path_nodes) / len(out))
         self._last_read = now
         return progressed
 

@@ -109,6 +109,7 @@ class Launched:
     started: float = 0.0
     by_auto: bool = False
     timed: bool = True
+    path_nodes: list[list[int]] | None = None  # set by finish(): accepted tree nodes below the root
 
 
 class StepGraph:
@@ -132,7 +133,8 @@ class StepGraph:
                                  self.ints[:, 2], self.floats[:, 1])
         state = {}
         stages = list(runner.round_stages(kind, self.inputs, runner.max_context, state))
-        stages[-1] = _then(stages[-1], lambda: state.update(packed=pack_outputs(*state["out"])))
+        stages[-1] = _then(stages[-1], lambda: state.update(
+            packed=pack_outputs(*state["out"], state["accepted"][0])))
         for fn in stages:  # warm up (Triton compiles, lazy weight fusion) outside capture
             fn()
         torch.cuda.synchronize()
@@ -266,9 +268,11 @@ def _then(first, second):
     return both
 
 
-def pack_outputs(tokens: torch.Tensor, num_accepted: torch.Tensor, bonus: torch.Tensor) -> torch.Tensor:
-    """[N, 2 + L]: num_accepted, bonus, path tokens (root first): one transfer to the host."""
-    return torch.cat([num_accepted[:, None], bonus[:, None], tokens], 1)
+def pack_outputs(tokens: torch.Tensor, num_accepted: torch.Tensor, bonus: torch.Tensor,
+                 path: torch.Tensor) -> torch.Tensor:
+    """[N, 2 + 2L]: num_accepted, bonus, path tokens and path nodes (root first): one transfer to
+    the host."""
+    return torch.cat([num_accepted[:, None], bonus[:, None], tokens, path], 1)
 
 
 class ModelRunner:
@@ -430,7 +434,8 @@ class ModelRunner:
             with self.timer(name):
                 fn()
         tokens, num_accepted, bonus = state["out"]
-        return Launched(seqs, kind, pack_outputs(tokens, num_accepted, bonus), None, num_accepted, bonus,
+        return Launched(seqs, kind, pack_outputs(tokens, num_accepted, bonus, state["accepted"][0]), None,
+                        num_accepted, bonus,
                         after=after is not None)
 
     def finish(self, launched: Launched) -> list[list[int]]:
@@ -443,11 +448,12 @@ class ModelRunner:
         if launched.graph is not None and launched.graph.events:
             for name, sec in zip(STAGES, launched.graph.stage_seconds()):
                 self.stage_seconds[name] += sec
-        out = []
+        out, launched.path_nodes = [], []
         for seq, row in zip(launched.seqs, packed):
-            k = row[0]
+            k, L = row[0], (len(row) - 2) // 2
             seq.num_cached += k
             out.append(row[3:2 + k] + [row[1]])
+            launched.path_nodes.append(row[3 + L:2 + L + k])
         return out
 
     def _graph(self, kind: StepKind, bucket: int) -> StepGraph:
