@@ -734,3 +734,15 @@ def test_topk_cpu_path_equals_key_selection():
             got, want = topk_per_depth(x, k), build_mod._topk_select(x, k)
             assert torch.equal(got[1], want[1])
             assert torch.equal(got[0].view(torch.int32), want[0].view(torch.int32))
+
+
+@pytest.mark.parametrize("budget", [1, 2, 5, 8])
+def test_a_tree_never_reads_depths_past_its_budget(budget):
+    """A depth-d node has d - 1 ancestors, so depths past the budget cannot be in the tree: the
+    vLLM proposer computes drafter logits only for the first min(budget, depth) positions."""
+    for lp in (random_logprobs(3, 15, 30, seed=budget), tie_logprobs(3, 15, 9, seed=budget, levels=2)):
+        full = build_tree_batched(lp, budget)
+        cut = build_tree_batched(lp[:, :budget], budget)
+        for a, b in zip(full, cut):
+            assert torch.equal(a, b)
+        assert int(full[2].max()) <= budget

@@ -38,22 +38,28 @@ class DDTreeProposer(DFlashProposer):
         self.depth = block - 1
         self.last_trees: ProposedTrees | None = None
         self._logits: torch.Tensor | None = None
+        self._tree_depth = self.depth
 
     def _sample_draft_tokens(self, hidden_states, sampling_metadata):
-        # Keep the marginals. The parent only reshapes what is returned here and propose()
-        # replaces it with the tree, so no argmax is spent on it.
-        self._logits = self.model.compute_logits(hidden_states)
+        # Keep the marginals of the depths a tree can reach: a node at depth d has d - 1
+        # ancestors, so a tree of budget B never goes deeper than B (8 of the 15 positions at
+        # B = 8; the LM head is one of the largest matmuls of a CPU step). The parent only
+        # reshapes what is returned here and propose() replaces it with the tree, so no argmax
+        # is spent on it.
+        rows = hidden_states.view(-1, self.depth, hidden_states.shape[-1])[:, :self._tree_depth]
+        self._logits = self.model.compute_logits(rows.reshape(-1, hidden_states.shape[-1]))
         return torch.zeros(hidden_states.shape[0], dtype=torch.long, device=hidden_states.device), None
 
     def propose(self, num_speculative_tokens, *args, **kwargs):
         runner = self.runner
         req_ids = list(runner.input_batch.req_ids)
+        budget = min(self.budget, num_speculative_tokens)
+        self._tree_depth = max(1, min(self.depth, budget))
         super().propose(self.depth, *args, **kwargs)
         logits = self._logits
         self._logits = None
         n = len(req_ids)
-        logprobs = torch.log_softmax(logits.float(), dim=-1).view(n, self.depth, -1)
-        budget = min(self.budget, num_speculative_tokens)
+        logprobs = torch.log_softmax(logits.float(), dim=-1).view(n, self._tree_depth, -1)
         tokens, parents, depths = build_tree_batched(logprobs, budget)
         self.last_trees = ProposedTrees(req_ids, tokens, parents, depths)
         return tokens
