@@ -42,7 +42,7 @@ class Tree:
     parents: torch.Tensor  # [N, T]
     depths: torch.Tensor   # [N, T]
     max_depth: int
-    ancestors: torch.Tensor  # [N, T, T] bool: node j is node i or one of its ancestors
+    ancestors: torch.Tensor | None  # [N, T, T] bool: node j is node i or an ancestor (None: ar)
 
     @property
     def size(self) -> int:
@@ -544,8 +544,10 @@ class ModelRunner:
         T, max_depth = tokens.shape[1], min(max_depth, tokens.shape[1] - 1)
         if kind.method == "ddtree":
             ancestors = ancestor_mask(parents, max_depth)
-        else:  # a chain's ancestor mask is causal
+        elif kind.method == "dflash":  # a chain's ancestor mask is causal
             ancestors = torch.ones(T, T, dtype=torch.bool, device=self.device).tril().expand(N, T, T)
+        else:  # plain decoding: the root alone, no walk
+            ancestors = None
         return Tree(tokens, parents, depths, max_depth, ancestors)
 
     def verify(self, kind: StepKind, inp: StepInputs, tree: Tree, max_keys: int):
