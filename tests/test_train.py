@@ -2,6 +2,7 @@
 forward, export -> load keeps the drafter's outputs."""
 import json
 
+import pytest
 import torch
 
 from ddtree import LLM, SamplingParams
@@ -52,6 +53,17 @@ def test_training_lowers_loss_and_exports(tmp_path):
     ckpt = torch.load(tmp_path / "run" / "checkpoint.pt", weights_only=False)
     for k, v in drafter.state_dict().items():
         assert torch.equal(v, ckpt["model"][k]), k
+
+    # --init continues from the export: same weights at step 0 (fresh optimizer), shape taken from it.
+    again = TrainConfig(num_layers=3, steps=10, batch_size=8, anchors=8, max_len=64, init=str(tmp_path / "export"))
+    train_drafter(target, tmp_path / "responses.pt", tmp_path / "run2", again, max_minutes=0)
+    ckpt2 = torch.load(tmp_path / "run2" / "checkpoint.pt", weights_only=False)
+    assert ckpt2["train_config"]["num_layers"] == 1
+    assert ckpt2["train_config"]["num_taps"] == len(drafter.config.target_layer_ids)
+    for k, v in drafter.state_dict().items():
+        assert torch.equal(v, ckpt2["model"][k]), k
+    with pytest.raises(ValueError, match="vocab_size"):
+        train_drafter(tiny_target(vocab=48), tmp_path / "responses.pt", tmp_path / "run3", again, max_minutes=0)
 
     # The trained drafter drives DDTree: long acceptance on the pattern, output unchanged.
     prompt = [5, 6, 7, 8, 9]

@@ -38,6 +38,7 @@ def add_parser(sub) -> None:
     s.add_argument("--max-len", type=int, default=640)
     s.add_argument("--lr", type=float, default=6e-4)
     s.add_argument("--seed", type=int, default=0)
+    s.add_argument("--init", default=None, help="continue from this exported drafter folder (fresh optimizer)")
     s.add_argument("--max-minutes", type=float, default=None, help="stop and checkpoint after this long")
     s.set_defaults(func=_train)
 
@@ -69,7 +70,7 @@ def _train(args) -> int:
                          dtype=torch.bfloat16 if device.type == "cuda" else torch.float32)
     cfg = TrainConfig(num_layers=args.layers, num_taps=args.taps, block_size=args.block_size, steps=args.steps,
                       batch_size=args.batch_size, anchors=args.anchors, max_len=args.max_len, lr=args.lr,
-                      seed=args.seed)
+                      seed=args.seed, init=args.init)
     print(json.dumps(train_drafter(target, args.data, args.run_dir, cfg, max_minutes=args.max_minutes)))
     return 0
 

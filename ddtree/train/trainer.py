@@ -38,6 +38,7 @@ class TrainConfig:
     grad_clip: float = 1.0
     gamma: float | None = None     # position-weight decay; None = 7 * block_size / 16
     seed: int = 0
+    init: str | None = None        # start from this exported drafter (its shape wins over the fields above)
 
 
 def new_drafter(target: DecoderLM, cfg: TrainConfig) -> DFlashDrafter:
@@ -171,6 +172,15 @@ def train_drafter(target: DecoderLM, data_path: str | Path, out_dir: str | Path,
         cfg = TrainConfig(**{**ckpt["train_config"], "steps": steps})
         drafter = DFlashDrafter(DFlashConfig(**ckpt["drafter_config"]), learned_mask=True)
         drafter.load_state_dict(ckpt["model"])
+    elif cfg.init is not None:  # continue training an exported drafter with a fresh optimizer
+        ckpt = None
+        drafter = DFlashDrafter.from_pretrained(cfg.init, dtype=torch.float32)
+        if drafter.mask_embedding is None:
+            raise ValueError(f"--init {cfg.init}: the drafter has no learned mask embedding (mask_embedding.pt)")
+        drafter.config.check_fits(target.config)
+        d = drafter.config
+        cfg = TrainConfig(**{**asdict(cfg), "num_layers": d.num_hidden_layers, "block_size": d.block_size,
+                             "num_taps": len(d.target_layer_ids)})
     else:
         ckpt = None
         drafter = new_drafter(target, cfg)
