@@ -96,3 +96,25 @@ def test_fused_context_store_matches_torch_path(models, monkeypatch):
         drafter.store_context(taps, positions, caches[1], slots)
     assert caches[0].abs().sum() > 0
     torch.testing.assert_close(caches[0], caches[1], atol=1e-5, rtol=1e-5)
+
+
+def test_drafter_training_on_cuda_matches_cpu_and_learns(models, tmp_path):
+    """Training takes the torch path under autograd (the Triton kernels have no backward) while the
+    frozen target's taps still run on the kernels; the first loss equals the CPU's (bf16 autocast
+    on CUDA) and training learns the counting pattern."""
+    import copy
+    import json
+
+    from test_train import write_sequences
+    from ddtree.train.trainer import TrainConfig, train_drafter
+    target = models[0]
+    write_sequences(tmp_path / "responses.pt")
+    cfg = TrainConfig(num_layers=1, num_taps=2, block_size=4, steps=100, batch_size=8, anchors=8, max_len=64,
+                      lr=1e-2)
+    train_drafter(copy.deepcopy(target).cpu(), tmp_path / "responses.pt", tmp_path / "cpu",
+                  TrainConfig(**{**cfg.__dict__, "steps": 1}), log_every=1)
+    train_drafter(target, tmp_path / "responses.pt", tmp_path / "cuda", cfg, log_every=1)
+    cpu = [json.loads(line) for line in (tmp_path / "cpu" / "train_log.jsonl").read_text().splitlines()]
+    cuda = [json.loads(line) for line in (tmp_path / "cuda" / "train_log.jsonl").read_text().splitlines()]
+    assert cuda[0]["loss"] == pytest.approx(cpu[0]["loss"], rel=0.02)
+    assert cuda[-1]["loss"] < 0.7 * cuda[0]["loss"]

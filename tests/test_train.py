@@ -72,6 +72,9 @@ def test_training_lowers_loss_and_exports(tmp_path):
     dd = LLM(target=target, drafter=drafter, method="ddtree", budget=6, device="cpu", max_model_len=64,
              kv_cache_gb=0.01).generate(prompt, params)[0]
     assert dd.token_ids == ar.token_ids
+    # The engine froze both models: its steps build no autograd graph, so the (backward-less)
+    # Triton kernels stay on for them on CUDA even outside inference_mode (graph capture).
+    assert not any(p.requires_grad for m in (target, drafter) for p in m.parameters())
 
 
 def test_training_forward_equals_inference_forward():

@@ -279,6 +279,10 @@ class ModelRunner:
     def __init__(self, target: DecoderLM, drafter, blocks: BlockManager, device: torch.device,
                  dtype: torch.dtype, max_model_len: int, max_lookahead: int, cuda_graphs: bool = True):
         self.target, self.drafter = target, drafter
+        # Inference only: no autograd graphs, and the Triton kernels (which have no backward) stay on.
+        for model in (target, drafter):
+            if model is not None:
+                model.requires_grad_(False)
         self.blocks, self.device, self.dtype = blocks, device, dtype
         self.timer = StageTimer(device)
         bs = blocks.block_size
