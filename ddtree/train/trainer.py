@@ -75,7 +75,8 @@ def target_taps(target: DecoderLM, ids: torch.Tensor, taps: tuple[int, ...]) -> 
            torch.empty(B * L, heads, dim, device=w.device, dtype=w.dtype)) for _ in range(layers)]
     ctx = AttentionContext.contiguous([L] * B, device=w.device)
     positions = torch.arange(L, device=w.device).repeat(B)
-    _, tapped = target(ids.reshape(-1), positions, kv, ctx, taps)
+    with torch.autocast(w.device.type, enabled=False):  # the target runs in its own dtype (its KV cache's)
+        _, tapped = target(ids.reshape(-1), positions, kv, ctx, taps)
     return tapped.view(B, L, -1)
 
 

@@ -3,7 +3,7 @@
 # calls while the machine stays warm. Before: calls that stage gguf.p00..p02, the gguf wheel and
 # .stage/train_prompts.jsonl (`ddtree train-drafter prompts --n-sharegpt 40000 --n-gsm8k 7473
 # --n-code 6000`) in /tmp/stage (see stage_and_run.md).
-#   bash scripts/device/train_phase2.sh start    # carry .stage/gguf.p03: join GGUF, responses, probe, train
+#   bash scripts/device/train_phase2.sh start    # carry .stage/gguf.p03: join GGUF, responses, train
 #   bash scripts/device/train_phase2.sh finish   # resume to the end, export, split for $OUT
 #   bash scripts/device/train_phase2.sh measure  # carry .stage/eval_prompts.json: tau, and if the new
 #                                                # drafter beats the shipped one: gpu_check + the grid with it
@@ -11,31 +11,24 @@ set -euo pipefail
 export PYTHONPATH=/tmp/site:$PWD DDTREE_CACHE_DIR=/tmp/ddcache PYTHONUNBUFFERED=1 TQDM_MININTERVAL=30
 G=/tmp/stage/SmolLM2-135M-Instruct.Q4_1.gguf
 SHIPPED=ddtree/drafters/SmolLM2-135M-Instruct-DFlash
-TRAIN="python3 -m ddtree.cli train-drafter train --data /tmp/resp.pt --target $G --init $SHIPPED
+# Phase 2 started from phase 1, the drafter shipped until commit ac0dae3 (`git archive ac0dae3
+# ddtree/drafters | tar -x -C /tmp/phase1`; INIT=/tmp/phase1/ddtree/drafters/...); now SHIPPED is phase 2.
+TRAIN="python3 -m ddtree.cli train-drafter train --data /tmp/resp.pt --target $G --init ${INIT:-$SHIPPED}
   --batch-size ${BATCH:-32} --anchors 64 --lr ${LR:-3e-4}"
 case "$1" in
-start)
+start)  # (the session that ran this did the first 866 steps with --steps 4000, then resumed with 3200)
   cp .stage/gguf.p03 /tmp/stage/
   cat /tmp/stage/gguf.p0* > $G
   md5sum $G
   python3 -m ddtree.cli train-drafter generate --prompts /tmp/stage/train_prompts.jsonl --out /tmp/resp.pt \
     --target $G --max-new-tokens 256 --chunk 2048 --max-num-seqs 256 --kv-cache-gb 24 \
     --max-minutes ${GEN_MINUTES:-2.3} 2>&1 | tail -1 | tee $OUT/responses_stats.json
-  # Steps/s at this batch, so the cosine schedule ends when the time does.
-  $TRAIN --run-dir /tmp/probe --steps 100000 --max-minutes 0.5 2>&1 | tail -1
-  python3 - <<EOF | tee /tmp/steps
-import json
-log = [json.loads(l) for l in open("/tmp/probe/train_log.jsonl")]
-a, b = log[1], log[-1]  # skip the first entry (warm-up)
-rate = (b["step"] - a["step"]) / ((b["minutes"] - a["minutes"]) * 60)
-print(int(rate * 60 * ${TRAIN_MINUTES:-12.5}))
-EOF
-  $TRAIN --run-dir /tmp/run --steps $(cat /tmp/steps) --max-minutes ${FIRST_MINUTES:-4.0} 2>&1 | tail -1
+  # 3,200 steps at batch 32 take ~10 min on the H200 (3 steps/s at first, ~7 later): two calls.
+  $TRAIN --run-dir /tmp/run --steps 3200 --max-minutes ${FIRST_MINUTES:-4.7} 2>&1 | tail -1
   cp /tmp/run/train_log.jsonl $OUT/
-  cp /tmp/probe/train_log.jsonl $OUT/probe_log.jsonl
   ;;
 finish)
-  $TRAIN --run-dir /tmp/run --steps $(cat /tmp/steps) --max-minutes ${LAST_MINUTES:-8.2} 2>&1 | tail -1
+  $TRAIN --run-dir /tmp/run --steps 3200 --max-minutes ${LAST_MINUTES:-8.9} 2>&1 | tail -1
   python3 -m ddtree.cli train-drafter export --run-dir /tmp/run --out /tmp/export
   cp /tmp/run/train_log.jsonl /tmp/export/config.json /tmp/export/mask_embedding.pt $OUT/
   split -b 12000000 -d /tmp/export/model.safetensors $OUT/model.safetensors.p
