@@ -34,3 +34,27 @@ def test_bench_quick(tmp_path):
             assert r["split_s"]["draft"] > 0
     assert data["meta"]["device"] == "cpu"
     assert (tmp_path / "bench.png").stat().st_size > 10_000
+
+
+def test_projection_reuses_step_costs_with_a_new_tau_curve(tmp_path):
+    """``--costs-from``: an earlier projection's measured step costs x a new acceptance curve."""
+    from ddtree.bench import projection
+    rows = [{"batch_size": n, "method": m, "budget": b, "step_s": s}
+            for n, m, b, s in [(1, "ar", 0, 0.010), (1, "dflash", 0, 0.013), (1, "ddtree", 32, 0.016),
+                               (64, "ar", 0, 0.020), (64, "dflash", 0, 0.080), (64, "ddtree", 32, 0.200)]]
+    earlier = tmp_path / "earlier.json"
+    earlier.write_text(json.dumps({"gpu": "NVIDIA H200", "drafter_layers": 5, "context": 1024, "rows": rows}))
+    tau = tmp_path / "tau.json"
+    tau.write_text(json.dumps({"results": [
+        {"dataset": "humaneval", "temperature": 0.0, "method": "dflash", "budget": 0, "tau": 1.8},
+        {"dataset": "humaneval", "temperature": 0.0, "method": "ddtree", "budget": 32, "tau": 2.4},
+        {"dataset": "humaneval", "temperature": 1.0, "method": "ddtree", "budget": 32, "tau": 9.9}]}))
+    out = tmp_path / "proj.json"
+    assert projection.main(["--costs-from", str(earlier), "--tau-json", str(tau), "--out", str(out)]) == 0
+    got = json.loads(out.read_text())
+    speed = {(r["batch_size"], r["method"], r["budget"]): r["projected_speedup_vs_ar"] for r in got["rows"]}
+    assert speed[(1, "dflash", 0)] == pytest.approx(1.8 * 0.010 / 0.013)
+    assert speed[(1, "ddtree", 32)] == pytest.approx(2.4 * 0.010 / 0.016)
+    assert speed[(64, "ddtree", 32)] == pytest.approx(2.4 * 0.020 / 0.200)
+    assert got["best_per_batch_size"] == {"1": ["ddtree", 32, pytest.approx(1.5)], "64": ["ar", 0, 1.0]}
+    assert got["gpu"] == "NVIDIA H200" and out.with_suffix(".png").exists()

@@ -9,6 +9,7 @@ measured elsewhere (default: our SmolLM2 drafter's HumanEval curve in
 bench/results/eval_drafter.json): projected speedup(n, c) = tau(c) * t(n, ar) / t(n, c).
 
 python -m ddtree.bench.projection --out bench/results/projection_qwen3_8b.json
+python -m ddtree.bench.projection --costs-from <earlier projection JSON>   # new tau curve, same costs (no GPU)
 """
 from __future__ import annotations
 
@@ -115,17 +116,27 @@ def main(argv=None) -> int:
     p.add_argument("--tau-json", default="bench/results/eval_drafter.json")
     p.add_argument("--tau-dataset", default="humaneval")
     p.add_argument("--out", default="bench/results/projection_qwen3_8b.json")
+    p.add_argument("--costs-from", default=None,
+                   help="reuse the step costs of an earlier projection JSON (its GPU, shape and context)")
     args = p.parse_args(argv)
-    if not torch.cuda.is_available():
-        raise SystemExit("the projection measures GPU step costs: it needs CUDA")
-    device, dtype = torch.device("cuda"), torch.bfloat16
-    sizes = [int(x) for x in args.batch_sizes.split(",")]
-    budgets = [int(x) for x in args.budgets.split(",")]
-    target, drafter = random_model(QWEN3_8B, args.drafter_layers, args.block_size, device, dtype)
-    llm = LLM(target=target, drafter=drafter, method="ddtree", budget=max(budgets), device=device, dtype=dtype,
-              max_model_len=args.context + 512, max_num_seqs=max(sizes), kv_cache_gb=24)
-    candidates = [("ar", 0), ("dflash", 0)] + [("ddtree", b) for b in budgets]
-    costs = step_costs(llm, candidates, sizes, args.context, args.steps)
+    if args.costs_from:
+        earlier = json.loads(Path(args.costs_from).read_text())
+        costs = {(r["batch_size"], r["method"], r["budget"]): r["step_s"] for r in earlier["rows"]}
+        sizes = sorted({n for n, _, _ in costs})
+        candidates = list(dict.fromkeys((m, b) for _, m, b in costs))
+        gpu, args.drafter_layers, args.context = earlier["gpu"], earlier["drafter_layers"], earlier["context"]
+    else:
+        if not torch.cuda.is_available():
+            raise SystemExit("the projection measures GPU step costs: it needs CUDA (or --costs-from)")
+        device, dtype = torch.device("cuda"), torch.bfloat16
+        sizes = [int(x) for x in args.batch_sizes.split(",")]
+        budgets = [int(x) for x in args.budgets.split(",")]
+        target, drafter = random_model(QWEN3_8B, args.drafter_layers, args.block_size, device, dtype)
+        llm = LLM(target=target, drafter=drafter, method="ddtree", budget=max(budgets), device=device, dtype=dtype,
+                  max_model_len=args.context + 512, max_num_seqs=max(sizes), kv_cache_gb=24)
+        candidates = [("ar", 0), ("dflash", 0)] + [("ddtree", b) for b in budgets]
+        costs = step_costs(llm, candidates, sizes, args.context, args.steps)
+        gpu = torch.cuda.get_device_name()
     tau = tau_curve(Path(args.tau_json), args.tau_dataset)
     rows = []
     for n in sizes:
@@ -138,7 +149,7 @@ def main(argv=None) -> int:
     best = {n: max((r for r in rows if r["batch_size"] == n and r["tau"] is not None),
                    key=lambda r: r["projected_speedup_vs_ar"]) for n in sizes}
     out = {"kind": "PROJECTION: measured step costs (random weights) x acceptance measured elsewhere",
-           "gpu": torch.cuda.get_device_name(), "shape": QWEN3_8B, "drafter_layers": args.drafter_layers,
+           "gpu": gpu, "shape": QWEN3_8B, "costs_from": args.costs_from, "drafter_layers": args.drafter_layers,
            "context": args.context, "tau_source": f"{args.tau_json} ({args.tau_dataset}, T=0)",
            "rows": rows, "best_per_batch_size": {str(n): [b["method"], b["budget"], b["projected_speedup_vs_ar"]]
                                                  for n, b in best.items()}}
