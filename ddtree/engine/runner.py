@@ -281,7 +281,7 @@ class ModelRunner:
         self.target, self.drafter = target, drafter
         # Inference only: no autograd graphs, and the Triton kernels (which have no backward) stay on.
         for model in (target, drafter):
-            if model is not None:
+            if isinstance(model, torch.nn.Module):  # test drafters may be plain objects
                 model.requires_grad_(False)
         self.blocks, self.device, self.dtype = blocks, device, dtype
         self.timer = StageTimer(device)
