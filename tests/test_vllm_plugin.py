@@ -199,6 +199,60 @@ def test_unsupported_params_names_each_feature():
     assert [b.split("=")[0] for b in bad] == ["repetition_penalty", "logit_bias"]
 
 
+# ---- the CUDA path's wiring (no GPU here: what can be checked without one) -------------------
+def test_cuda_engine_settings(monkeypatch):
+    from vllm.config import CUDAGraphMode
+    from vllm.engine.arg_utils import EngineArgs
+
+    from ddtree.vllm.config import gpu_engine_settings
+
+    monkeypatch.delenv("VLLM_USE_V2_MODEL_RUNNER", raising=False)
+    args = EngineArgs(model="m")
+    gpu_engine_settings(args)
+    assert os.environ["VLLM_USE_V2_MODEL_RUNNER"] == "0"
+    assert args.async_scheduling is False
+    assert args.compilation_config.cudagraph_mode == CUDAGraphMode.PIECEWISE
+    eager = EngineArgs(model="m", enforce_eager=True)
+    gpu_engine_settings(eager)
+    assert eager.compilation_config.cudagraph_mode is None  # vLLM resolves it to NONE
+    with pytest.raises(ValueError, match="async scheduling"):
+        gpu_engine_settings(EngineArgs(model="m", async_scheduling=True))
+    with pytest.raises(ValueError, match="cudagraph_mode FULL_AND_PIECEWISE"):
+        gpu_engine_settings(EngineArgs(model="m", compilation_config={"cudagraph_mode": "FULL_AND_PIECEWISE"}))
+    monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "1")
+    with pytest.raises(ValueError, match="VLLM_USE_V2_MODEL_RUNNER=1 is not supported"):
+        gpu_engine_settings(EngineArgs(model="m"))
+
+
+def test_cuda_worker_and_runner_wiring():
+    import inspect
+    from types import SimpleNamespace
+
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    from ddtree.vllm.gpu_worker import DDTreeGPUWorker
+    from ddtree.vllm.runner import DDTreeCPUModelRunner, DDTreeGPUModelRunner, DDTreeRunnerMixin
+    from ddtree.vllm.worker import CPU_WORKER, GPU_WORKER, worker_class_for_platform
+
+    def platform(kind):
+        return SimpleNamespace(is_cpu=lambda: kind == "cpu", is_cuda=lambda: kind == "cuda", device_name=kind)
+
+    assert worker_class_for_platform(platform("cpu")) == CPU_WORKER
+    assert worker_class_for_platform(platform("cuda")) == GPU_WORKER
+    with pytest.raises(ValueError, match="CPU and CUDA platforms, not 'xpu'"):
+        worker_class_for_platform(platform("xpu"))
+    with pytest.raises(ValueError, match="VLLM_USE_V2_MODEL_RUNNER=0"):
+        DDTreeGPUWorker._make_model_runner(SimpleNamespace(use_v2_model_runner=True))
+    # The step hooks override methods vLLM's V1 GPU runner has, with the same parameters (the
+    # CPU runner inherits them, so the CPU engine tests run the same overrides).
+    assert issubclass(DDTreeGPUModelRunner, GPUModelRunner) and issubclass(DDTreeCPUModelRunner, GPUModelRunner)
+    for name in ("_prepare_inputs", "_sample", "propose_draft_token_ids"):  # _model_forward: *args
+        ours, theirs = getattr(DDTreeRunnerMixin, name), getattr(GPUModelRunner, name)
+        assert list(inspect.signature(ours).parameters)[:2] == list(inspect.signature(theirs).parameters)[:2]
+    ours = inspect.signature(DDTreeRunnerMixin.propose_draft_token_ids).parameters
+    assert list(ours) == list(inspect.signature(GPUModelRunner.propose_draft_token_ids).parameters)
+
+
 # ---- tree attention (no engine) ------------------------------------------------------
 def test_tree_attention_over_paged_cache_equals_dense_reference():
     import torch
@@ -208,7 +262,7 @@ def test_tree_attention_over_paged_cache_equals_dense_reference():
     from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
 
     from ddtree.tree import ancestor_mask
-    from ddtree.vllm.attention import StepMasks, cache_layout, tree_attention
+    from ddtree.vllm.attention import StepMasks, cache_layout, cpu_gather, tree_attention
 
     torch.manual_seed(0)
     heads, kv_heads, head, block_size, num_blocks = 6, 2, 64, 32, 40
@@ -242,7 +296,7 @@ def test_tree_attention_over_paged_cache_equals_dense_reference():
     plans = step.plan(meta, heads // kv_heads, block_size, torch.float32)
     assert [(p.count, p.q) for p in plans] == [(3, 9), (1, 1), (1, 20), (1, 5)]
     out = torch.full_like(query, float("nan"))
-    tree_attention(query, cache, layout, plans, 0.125, out)
+    tree_attention(query, cpu_gather(cache, layout), kv_heads, plans, 0.125, out)
     for r, (q, length) in enumerate(zip(q_lens, lengths)):
         own = masks[r] if masks[r] is not None else torch.ones(q, q, dtype=torch.bool).tril()
         allowed = torch.cat([torch.ones(q, length - q, dtype=torch.bool), own], dim=1)

