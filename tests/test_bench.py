@@ -3,16 +3,26 @@ import json
 
 import pytest
 
-from ddtree.bench.speed import main, parse_methods
+from ddtree.bench.speed import main, parse_methods, request_lengths
 
 
 def test_parse_methods():
-    assert parse_methods("ar,dflash,ddtree:16,auto") == [("ar", 0), ("dflash", 0), ("ddtree", 16),
-                                                          ("ddtree", "auto")]
+    assert parse_methods("ar,dflash,ddtree:16,auto,auto:0.1") == [("ar", 0), ("dflash", 0), ("ddtree", 16),
+                                                                   ("ddtree", "auto"), ("ddtree", "auto:0.1")]
+    with pytest.raises(ValueError):
+        parse_methods("auto:x")
     with pytest.raises(ValueError, match="budget"):
         parse_methods("ddtree")
     with pytest.raises(ValueError, match="unknown method"):
         parse_methods("medusa")
+
+
+def test_request_lengths_are_mixed_and_the_same_for_every_method():
+    lengths = request_lengths(128, 256, fixed=False)
+    assert lengths == request_lengths(128, 256, fixed=False)  # seeded: every method gets these
+    assert min(lengths) >= 64 and max(lengths) <= 192 and len(set(lengths)) > 50
+    assert abs(sum(lengths) / len(lengths) - 128) < 8
+    assert request_lengths(128, 3, fixed=True) == [128, 128, 128]
 
 
 def test_bench_quick(tmp_path):

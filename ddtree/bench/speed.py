@@ -4,7 +4,17 @@ request), tau, speedup over AR and the step-time split (draft / build / verify /
 prefill). Writes JSON and a PNG. ``--quick`` runs on a CPU in well under a minute (for CI).
 
 Concurrency c is closed-loop: c requests in flight, a new one joins when one finishes. One engine
-serves every method through per-request overrides, so all methods share weights and caches."""
+serves every method through per-request overrides, so all methods share weights and caches.
+
+Output lengths: by default request i asks for a length drawn uniformly from [max_tokens / 2,
+3 * max_tokens / 2] (seeded by i, the same for every method; EOS ignored so the token count is
+fixed) and a run at concurrency c serves 4c requests (prompts reused in order when a dataset has
+fewer). With one length for every request (``--fixed-lengths``, the protocol before), plain
+decoding runs in lockstep: a whole batch finishes in the same step and the next one joins in one
+batched prefill, while speculative methods finish requests at different steps, so requests join
+one by one and the run ends in a tail of small batches. Real traffic has mixed lengths; the
+fixed protocol charged that artifact to speculation (in the H200 trace of 2026-11-30, auto's
+full-batch steps ran at 0.98-1.1x plain decoding's rate while whole runs came out at 0.71-0.95x)."""
 from __future__ import annotations
 
 import argparse
@@ -21,8 +31,10 @@ def parse_methods(text: str) -> list[tuple[str, int | str]]:
     out = []
     for item in text.split(","):
         name, _, budget = item.strip().partition(":")
-        if name == "auto":
-            out.append(("ddtree", "auto"))
+        if name == "auto":  # auto:M = auto with ar_margin M (a side-by-side of policies)
+            if budget:
+                float(budget)
+            out.append(("ddtree", f"auto:{budget}" if budget else "auto"))
             continue
         if name not in ("ar", "dflash", "ddtree"):
             raise ValueError(f"--methods: unknown method {name!r} (ar, dflash, ddtree:B, auto)")
@@ -32,13 +44,28 @@ def parse_methods(text: str) -> list[tuple[str, int | str]]:
     return out
 
 
+def is_auto(budget) -> bool:
+    return isinstance(budget, str) and budget.startswith("auto")
+
+
 def label(method: str, budget) -> str:
-    if budget == "auto":
-        return "auto"
+    if is_auto(budget):
+        return "auto" if budget == "auto" else f"auto m={budget[5:]}"
     return method if method != "ddtree" else f"ddtree B={budget}"
 
 
+def request_lengths(max_tokens: int, count: int, fixed: bool) -> list[int]:
+    """Output length of request i of a run (see the module docstring)."""
+    if fixed:
+        return [max_tokens] * count
+    import random
+    lo, hi = max(1, max_tokens // 2), max(1, (3 * max_tokens) // 2)
+    return [random.Random(i).randint(lo, hi) for i in range(count)]
+
+
 def run_closed_loop(llm, prompt_ids, method, budget, temperature, max_tokens, concurrency) -> dict:
+    """max_tokens: one length for every request, or a list (request i gets max_tokens[i])."""
+    budget = "auto" if is_auto(budget) else budget
     engine = llm.engine
     runner = engine.runner
     runner.timer.totals.clear()
@@ -47,14 +74,15 @@ def run_closed_loop(llm, prompt_ids, method, budget, temperature, max_tokens, co
     engine.step_choices.clear()
     if engine.auto_trace is not None:
         engine.auto_trace = []
-    pending = list(prompt_ids)
+    lengths = max_tokens if isinstance(max_tokens, list) else [max_tokens] * len(prompt_ids)
+    pending = list(zip(prompt_ids, lengths))
     in_flight, done = [], []
     start = time.perf_counter()
     started, first = {}, {}
     while pending or in_flight:
         while pending and len(in_flight) < concurrency:
-            seq = engine.add_request(pending.pop(0), SamplingParams(temperature=temperature, max_tokens=max_tokens,
-                                                                    ignore_eos=True),
+            ids, length = pending.pop(0)
+            seq = engine.add_request(ids, SamplingParams(temperature=temperature, max_tokens=length, ignore_eos=True),
                                      method=method, budget=budget)
             started[seq.seq_id] = time.perf_counter()
             in_flight.append(seq)
@@ -90,34 +118,40 @@ def run_closed_loop(llm, prompt_ids, method, budget, temperature, max_tokens, co
 
 
 def bench(llm, prompts: dict[str, list[list[int]]], methods, concurrency, temperatures, max_tokens,
-          repeats: int, per_run=lambda c: max(4, 2 * c), on_row=None) -> list[dict]:
-    """per_run(c): prompts in one closed-loop run at concurrency c; on_row(rows) after each row
-    (the CLI saves partial results, so a cut-off run still leaves data)."""
+          repeats: int, per_run=lambda c: max(8, 4 * c), on_row=None, fixed_lengths: bool = False) -> list[dict]:
+    """per_run(c): requests in one closed-loop run at concurrency c (prompts reused in order when
+    there are fewer); on_row(rows) after each row (the CLI saves partial results, so a cut-off run
+    still leaves data)."""
     rows = []
+    default_margin = llm.engine.auto.ar_margin
     for name, ids in prompts.items():
         for t in temperatures:
             for c in concurrency:
                 for method, budget in methods:
+                    if is_auto(budget):  # the engine's budget is "auto"; a margin is auto's state
+                        llm.engine.auto.ar_margin = float(budget[5:]) if budget != "auto" else default_margin
                     # Warm-up (kernels, auto's first tries, and a CUDA-graph capture for every
                     # batch bucket up to c, since a run drains through the smaller ones: a capture
                     # inside a timed run costs more than the run), then repeats; median reported.
                     graphs = llm.engine.runner.use_graphs
                     for b in [b for b in GRAPH_BUCKETS if b < c and graphs] + [c]:
                         run_closed_loop(llm, ids[:b], method, budget, t, 4 if b < c else 16, b)
-                    for _ in range(8 if budget == "auto" else 0):  # until auto has tried everything
+                    for _ in range(8 if is_auto(budget) else 0):  # until auto has tried everything
                         if llm.engine.auto.best(c) is not None:
                             break
                         run_closed_loop(llm, ids[:c], method, budget, t, 16, c)
-                    batch = ids[:max(per_run(c), c)]
-                    runs = [run_closed_loop(llm, batch, method, budget, t, max_tokens, c) for _ in range(repeats)]
+                    count = max(per_run(c), c)
+                    batch = [ids[i % len(ids)] for i in range(count)]
+                    lengths = request_lengths(max_tokens, count, fixed_lengths)
+                    runs = [run_closed_loop(llm, batch, method, budget, t, lengths, c) for _ in range(repeats)]
                     best = sorted(runs, key=lambda r: r["tokens_per_s"])[len(runs) // 2]
                     # One more run with per-stage graphs and events (fixed methods: auto's steps are
                     # the fixed methods' steps, and its per-stage graphs would be captured mid-run).
-                    if llm.engine.runner.use_graphs and budget != "auto":
+                    if llm.engine.runner.use_graphs and not is_auto(budget):
                         llm.engine.runner.profile_stages = True
                         for b in [b for b in GRAPH_BUCKETS if b < c] + [c]:  # captures
                             run_closed_loop(llm, ids[:b], method, budget, t, 4, b)
-                        prof = run_closed_loop(llm, batch, method, budget, t, max_tokens, c)
+                        prof = run_closed_loop(llm, batch, method, budget, t, lengths, c)
                         best["split_s"], best["split_steps"] = prof["split_s"], prof["engine_decode_steps"]
                         llm.engine.runner.profile_stages = False
                     row = {"dataset": name, "temperature": t, "concurrency": c, "method": method,
@@ -127,7 +161,7 @@ def bench(llm, prompts: dict[str, list[list[int]]], methods, concurrency, temper
                     if on_row:
                         on_row(rows)
                     print(f"{name:9s} T={t:g} c={c:3d} {label(method, budget):13s} {row['tokens_per_s']:9.1f} tok/s "
-                          f"(decode/request {row['per_request_decode_tokens_per_s'] or 0:7.1f}) tau={row['tau']:.2f} {row['auto_choices'] if budget == 'auto' else ''}", flush=True)
+                          f"(decode/request {row['per_request_decode_tokens_per_s'] or 0:7.1f}) tau={row['tau']:.2f} {row['auto_choices'] if is_auto(budget) else ''}", flush=True)
                 ar = next((r for r in rows[-len(methods):] if r["method"] == "ar"), None)
                 for r in rows[-len(methods):]:
                     r["speedup_vs_ar"] = r["tokens_per_s"] / ar["tokens_per_s"] if ar else None
@@ -149,7 +183,7 @@ def plot(rows: list[dict], png: str | Path) -> None:
     axes[0].legend()
     c0 = min(r["concurrency"] for r in sel)
     tree = sorted((r["budget"], r["tau"], r["speedup_vs_ar"] or 0) for r in sel
-                  if r["method"] == "ddtree" and r["budget"] != "auto" and r["concurrency"] == c0)
+                  if r["method"] == "ddtree" and not is_auto(r["budget"]) and r["concurrency"] == c0)
     if tree:
         axes[1].plot([b for b, _, _ in tree], [t for _, t, _ in tree], "o-", label="tau")
         axes[1].plot([b for b, _, _ in tree], [s for _, _, s in tree], "s--", label="speedup vs AR")
@@ -181,8 +215,10 @@ def main(argv=None) -> int:
     p.add_argument("--temperatures", default="0,1")
     p.add_argument("--datasets", default="humaneval,mtbench")
     p.add_argument("--num-prompts", type=int, default=None,
-                   help="prompts per dataset (default 2 x max concurrency); a run at concurrency c uses max(4, 2c)")
-    p.add_argument("--max-tokens", type=int, default=128)
+                   help="prompts per dataset (default: all); a run at concurrency c serves max(8, 4c) requests")
+    p.add_argument("--max-tokens", type=int, default=128,
+                   help="mean output length (lengths uniform in [max/2, 3max/2]; see --fixed-lengths)")
+    p.add_argument("--fixed-lengths", action="store_true", help="every request asks for exactly --max-tokens")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--prompts-json", default=None, help="exported eval prompts (ddtree eval-drafter --export-prompts)")
     p.add_argument("--auto-margin", type=float, default=None,
@@ -197,11 +233,12 @@ def main(argv=None) -> int:
         args.device = args.device or "cpu"
         args.methods, args.concurrency, args.temperatures = "ar,dflash,ddtree:8,auto", "1,2", "0"
         args.datasets, args.num_prompts, args.max_tokens, args.repeats = "mtbench", 2, 8, 1
+        args.fixed_lengths = True
         args.max_budget = 8
     methods = parse_methods(args.methods)
     concurrency = [int(c) for c in args.concurrency.split(",")]
     temps = [float(t) for t in args.temperatures.split(",")]
-    fixed = [b for _, b in methods if b != "auto"]
+    fixed = [b for _, b in methods if not is_auto(b)]
     cap = max(fixed + [args.max_budget])
     llm = LLM(target=args.target, drafter=args.drafter, method="ddtree", budget="auto", max_budget=cap,
               device=args.device, dtype=args.dtype, max_model_len=args.max_model_len,
@@ -221,12 +258,14 @@ def main(argv=None) -> int:
     else:
         from ddtree.bench.eval_drafter import eval_conversations
         convs = eval_conversations()
-    n = max(max(4, 2 * c) for c in concurrency) if args.num_prompts is None else args.num_prompts
+    per_run = lambda c: max(8, 4 * c) if args.num_prompts is None else min(args.num_prompts, max(8, 4 * c))  # noqa: E731
+    n = max(per_run(c) for c in concurrency)
     prompts = {d: [llm.apply_chat_template(c) for c in convs[d][:n]] for d in args.datasets.split(",")}
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     meta = {"device": str(llm.device), "dtype": str(llm.dtype), "target": str(llm.target_dir),
-            "max_tokens": args.max_tokens, "prompts_per_run": n, "quick": args.quick,
+            "max_tokens": args.max_tokens, "fixed_lengths": args.fixed_lengths,
+            "requests_per_run": {c: per_run(c) for c in concurrency}, "quick": args.quick,
             "cuda_graphs": llm.engine.runner.use_graphs, "auto_ar_margin": llm.engine.auto.ar_margin,
             "auto_cost_prior_s": {f"{b}:{m}:{k}": v for (b, (m, k)), v in prior.items()}}
     if llm.device.type == "cuda":
@@ -234,7 +273,7 @@ def main(argv=None) -> int:
         meta["gpu"] = torch.cuda.get_device_name()
     save = lambda rows: out.write_text(json.dumps({"meta": meta, "results": rows}, indent=1))  # noqa: E731
     rows = bench(llm, prompts, methods, concurrency, temps, args.max_tokens, args.repeats,
-                 per_run=lambda c: min(n, max(4, 2 * c)), on_row=save)
+                 per_run=per_run, on_row=save, fixed_lengths=args.fixed_lengths)
     save(rows)
     plot(rows, args.png or out.with_suffix(".png"))
     print(f"wrote {out}")

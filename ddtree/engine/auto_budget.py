@@ -32,6 +32,14 @@ leave trees and the chain when they were barely ahead of plain decoding) was mea
 and removed: small trees came within 5% of the best tree and took most steps (at c=1, 8-node trees
 in 319 of 330 steps at 0.89x the 32-node tree's speed; at c=16 0.76x plain decoding).
 
+``ar_margin`` (default 0): speculation runs only when its rate beats plain decoding's by this
+fraction. In an H200 trace with every request of one length (HumanEval and MT-Bench, T = 0 and
+1, concurrency 16 and 64), margins 0 / 0.1 / 0.2 gave auto 0.71-0.95x / 0.78-1.03x /
+0.82-1.02x the best of plain decoding and the chain, because one length puts plain decoding in
+lockstep (see ``ddtree.bench.speed``), which per-step rates do not see. A margin also slows the
+return to a tree after a chance dip of its tau estimate (``test_auto_rate_close_to_the_best_in_
+simulation``: 0.92x instead of 0.97x the best at c=1 with 0.1), so it is not the default.
+
 Larger batches make verification cost grow with the tree, so the choice slides from big trees
 at concurrency 1 to small trees, the chain, or plain decoding when the GPU is saturated.
 """
