@@ -1,0 +1,62 @@
+"""What `budget="auto"` pays to keep the drafter's context current while it decodes plainly: GPU
+time of the plain-decoding step graph with and without the context store (taps + the drafter's
+K/V projection), per batch bucket, random weights of the SmolLM2-135M shape + a 4-layer drafter.
+
+python scripts/device/upkeep_cost.py --out $OUT/upkeep_cost.json
+"""
+from __future__ import annotations
+
+import argparse
+import json
+
+import torch
+
+from ddtree import LLM
+from ddtree.bench.projection import random_model
+from ddtree.engine.runner import StepKind
+
+SMOLLM2 = dict(model_type="llama", vocab_size=49152, hidden_size=576, intermediate_size=1536,
+               num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3, head_dim=64,
+               rms_norm_eps=1e-5, rope_theta=100000.0, max_position_embeddings=8192,
+               tie_word_embeddings=True, attention_bias=False, qk_norm=False)
+
+
+def replay_seconds(runner, kind: StepKind, bucket: int, context: int, reps: int) -> float:
+    graph = runner._graph(kind, bucket)
+    graph.replay([], context).synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for i in range(reps):
+        graph.replay([], context, slot=i % 2)
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / 1e3 / reps
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--buckets", default="1,4,16,64")
+    p.add_argument("--context", type=int, default=512)
+    p.add_argument("--reps", type=int, default=50)
+    p.add_argument("--out", default="bench/results/upkeep_cost.json")
+    args = p.parse_args()
+    device, dtype = torch.device("cuda"), torch.bfloat16
+    target, drafter = random_model(SMOLLM2, 4, 16, device, dtype)
+    llm = LLM(target=target, drafter=drafter, method="ddtree", budget="auto", device=device, dtype=dtype,
+              max_model_len=2048, max_num_seqs=64, kv_cache_gb=4)
+    runner = llm.engine.runner
+    rows = []
+    for bucket in [int(b) for b in args.buckets.split(",")]:
+        for sampling in ("greedy", "sample"):
+            plain, upkeep = (replay_seconds(runner, StepKind("ar", 0, sampling, ctx), bucket, args.context, args.reps)
+                             for ctx in (False, True))
+            rows.append({"bucket": bucket, "sampling": sampling, "plain_ms": plain * 1e3,
+                         "with_context_ms": upkeep * 1e3, "upkeep_fraction": upkeep / plain - 1})
+            print(f"n={bucket:3d} {sampling:6s} plain {plain * 1e3:.3f} ms  with context {upkeep * 1e3:.3f} ms  "
+                  f"(+{100 * (upkeep / plain - 1):.1f}%)", flush=True)
+    with open(args.out, "w") as f:
+        json.dump({"gpu": torch.cuda.get_device_name(), "context": args.context, "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
