@@ -31,12 +31,14 @@ def _prompts(n, seed=0):
     return [torch.randint(1, 4096, (k,), generator=g).tolist() for k in lengths]
 
 
-def _run(models, method, budget, graphs, overlap, prompts, batched):
+def _run(models, method, budget, graphs, overlap, prompts, batched, lengths=None):
     target, drafter = models
     llm = LLM(target=target, drafter=drafter if method != "ar" else None, method=method, budget=budget,
               device="cuda", dtype=torch.float32, max_model_len=1024, max_num_seqs=8, kv_cache_gb=0.5,
               cuda_graphs=graphs, overlap_steps=overlap, max_budget=32)
     params = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
+    if lengths is not None:
+        params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in lengths]
     if batched:
         outs = [o.token_ids for o in llm.generate(prompts, params)]
     else:
@@ -60,6 +62,13 @@ def test_graphs_and_overlap_match_eager(models, method, budget):
         else:
             assert {(t, 1) for t in (16, 32, 64, 128, 256, 1024)} <= captured
         assert llm.engine.blocks.num_free == llm.engine.blocks.num_blocks
+    # Mixed lengths, batched: rounds stay overlapped while requests finish inside them.
+    lengths = [64, 20, 37, 64, 9, 50, 64, 30]
+    mixed, llm = _run(models, method, budget, graphs=True, overlap=True, prompts=prompts, batched=True,
+                      lengths=lengths)
+    assert mixed == [e[:n] for e, n in zip(eager, lengths)]
+    assert llm.engine.runner.decode_calls - llm.engine.overlapped_rounds <= 1 + len(prompts)
+    assert llm.engine.blocks.num_free == llm.engine.blocks.num_blocks
 
 
 def _compiled_variants(kernel) -> int:

@@ -108,6 +108,24 @@ def test_overlapped_rounds(smol, tokenizer, prompts, ar_reference, method, budge
     assert llm.engine.blocks.num_free == llm.engine.blocks.num_blocks  # no block leaked
 
 
+@pytest.mark.parametrize("method,budget", [("ar", 0), ("ddtree", 12)])
+def test_overlapped_rounds_with_mixed_lengths(smol, tokenizer, prompts, ar_reference, method, budget):
+    """Requests of different lengths: a round is launched behind the previous one even when a
+    request may reach max_tokens within it (that request drops the round's tokens), so only the
+    first round and the rounds right after a request finished run unoverlapped."""
+    llm = make_llm(smol, tokenizer, method=method, budget=budget, drafter=SHIPPED, overlap_steps=True,
+                   max_budget=16)
+    chosen, lengths = [prompts[i] for i in (0, 5, 16, 17)], [9, 23, 40, 64]
+    calls0 = llm.engine.runner.decode_calls
+    outs = llm.generate(chosen, [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in lengths])
+    for p, o, n in zip(chosen, outs, lengths):
+        assert o.token_ids == ar_reference[tuple(p)][:n] and o.finish_reason == "length"
+        assert sum(o.metrics.accepted_lengths) == n
+    fresh = llm.engine.runner.decode_calls - calls0 - llm.engine.overlapped_rounds
+    assert fresh <= 1 + len(chosen), fresh
+    assert llm.engine.blocks.num_free == llm.engine.blocks.num_blocks
+
+
 def test_overlapped_rounds_stop_and_abort(smol, tokenizer, prompts, ar_reference):
     """A request that stops (stop token) or is aborted while the next round is in flight drops
     that round's tokens; the others continue AR-exact."""

@@ -225,7 +225,11 @@ class LLMEngine:
     def _launch_after(self, prev: Launched) -> Launched | None:
         """The next round for the same batch, launched before ``prev`` is read, when nothing else
         is due: no request waiting, every sequence still running with room for both rounds
-        (blocks reserved here) and unable to hit its length limits within ``prev``."""
+        (blocks reserved here) within max_model_len. A sequence that finishes within ``prev``
+        (a stop token, EOS or max_tokens) drops this round's tokens, as an aborted one does: not
+        launching whenever some sequence might reach max_tokens within ``prev`` left most
+        speculative rounds at batch >= 4 without overlap once lengths differ (in an H200 trace at
+        concurrency 16, 175 of 204 8-node-tree rounds ran unoverlapped, ~0.3 ms slower each)."""
         seqs = prev.seqs
         if (self.scheduler.waiting or len(self.scheduler.running) != len(seqs)
                 or any(s.is_finished for s in seqs)):
@@ -234,8 +238,7 @@ class LLMEngine:
         ahead = self.runner.lookahead(prev.kind.method, prev.kind.budget)
         nxt = self.runner.lookahead(method, self.budget_cap if budget == "auto" else budget)
         for s in seqs:
-            if (s.params.max_tokens - s.num_output_tokens <= ahead or len(s) + ahead + nxt > self.max_model_len
-                    or not self.blocks.can_reserve(s, len(s) - 1 + ahead + nxt)):
+            if len(s) + ahead + nxt > self.max_model_len or not self.blocks.can_reserve(s, len(s) - 1 + ahead + nxt):
                 return None
         if not self.runner.can_launch_after(seqs):
             return None
