@@ -56,7 +56,8 @@ class StepPlan:
 
 
 class DDTreeRunnerMixin:
-    """The DDTree step on top of a vLLM V1 runner (GPUModelRunner or its CPU subclass)."""
+    """The DDTree step on top of a vLLM V1 runner (GPUModelRunner or its CPU subclass). A runner
+    class adds `_move_kv(layer, src, dst)` for its KV cache layout."""
 
     def __init__(self, vllm_config, device):
         super().__init__(vllm_config, device)
@@ -70,10 +71,6 @@ class DDTreeRunnerMixin:
 
     def _proposer_setup(self):
         return contextlib.nullcontext()
-
-    def _move_kv(self, layer: Attention, src: torch.Tensor, dst: torch.Tensor) -> None:
-        """Copy the K/V of cache slots src to slots dst in one target layer."""
-        raise NotImplementedError
 
     # ---- helpers -----------------------------------------------------------------------------
     def target_layers(self) -> dict[str, Attention]:
@@ -234,7 +231,7 @@ class DDTreeRunnerMixin:
         src = slots[torch.tensor(src_rows, device=slots.device)].long()
         dst = slots[torch.tensor(dst_rows, device=slots.device)].long()
         for layer in self.target_layers().values():
-            self._move_kv(layer, src, dst)
+            self._move_kv(layer, src, dst)  # the runner class's cache layout
 
     def propose_draft_token_ids(self, scheduler_output, sampled_token_ids, sampling_metadata,
                                 hidden_states, sample_hidden_states, aux_hidden_states,
@@ -273,6 +270,7 @@ class DDTreeCPUModelRunner(DDTreeRunnerMixin, CPUModelRunner):
         return _torch_cuda_wrapper()
 
     def _move_kv(self, layer, src, dst):
+        """Copy the K/V of cache slots src to slots dst in one target layer."""
         kv = layer.kv_cache  # the CPU kernel's layout depends on its ISA: read off the kernel
         move_tokens(kv, cache_layout(layer.isa, kv.shape[2], layer.head_size, kv.dtype), src, dst)
 
