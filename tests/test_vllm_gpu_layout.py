@@ -12,8 +12,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from ddtree.tree import ancestor_mask
 from ddtree.vllm.attention import StepMasks, gpu_tree_forward, move_tokens_logical
+
+from paged_case import LENGTHS, check_against_reference, paged_case
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 # Physical orders of the logical axes (blocks, heads, tokens, channels): vLLM's HND-like order,
@@ -46,45 +47,20 @@ def test_gpu_tree_attention_equals_float64_reference(device, order, dtype):
     g = torch.Generator().manual_seed(1)
     heads, kv_heads, head, block_size, num_blocks = 6, 2, 64, 16, 64
     cache = logical_cache(ORDERS[order], num_blocks, kv_heads, block_size, head, dtype, device)
-    # Two runs of equal tree sizes (batched), a plain decode, a prompt chunk, a lone tree.
-    q_lens, lengths = [9, 9, 9, 1, 20, 5], [70, 9, 140, 33, 20, 64]
-    masks, starts, keys, values = [], [0], [], []
-    table = torch.zeros(len(q_lens), 10, dtype=torch.int32)
-    free = torch.randperm(num_blocks, generator=g)
-    for r, (q, length) in enumerate(zip(q_lens, lengths)):
-        if q in (9, 5):
-            parents = torch.tensor([0] + [int(torch.randint(0, i, (), generator=g)) for i in range(1, q)])
-            masks.append(ancestor_mask(parents[None], q)[0])
-        else:
-            masks.append(None)
-        n = (length + block_size - 1) // block_size
-        table[r, :n], free = free[:n].int(), free[n:]
-        slots = table[r].long()[torch.arange(length) // block_size] * block_size + torch.arange(length) % block_size
-        k = torch.randn(length, kv_heads, head, generator=g).to(dtype)
-        v = torch.randn(length, kv_heads, head, generator=g).to(dtype)
-        write(cache, slots.to(device), k.to(device), v.to(device))
-        keys.append(k.double())
-        values.append(v.double())
-        starts.append(starts[-1] + q)
+    masks, starts, table, keys, values = paged_case(
+        num_blocks, block_size, kv_heads, head, lambda slots, k, v: write(cache, slots.to(device), k.to(device),
+                                                                         v.to(device)), g, dtype)
     T = starts[-1]
     query = torch.randn(T + 3, heads, head, generator=g).to(dtype)  # 3 padding rows, as vLLM pads
     meta = SimpleNamespace(query_start_loc=torch.tensor(starts, dtype=torch.int32, device=device),
-                           seq_lens=torch.tensor(lengths, dtype=torch.int32, device=device),
+                           seq_lens=torch.tensor(LENGTHS, dtype=torch.int32, device=device),
                            block_table=table.to(device), num_actual_tokens=T)
     impl = SimpleNamespace(scale=0.125, sliding_window=(-1, -1), alibi_slopes=None, sinks=None,
                            logits_soft_cap=0.0, kv_cache_dtype="auto")
     output = torch.full((T + 3, heads * head), float("nan"), dtype=dtype, device=device)
     gpu_tree_forward(impl, query.to(device), cache, meta, output, StepMasks(masks, frozenset()))
-    out = output[:T].view(T, heads, head).double().cpu()
     tol = 1e-5 if dtype == torch.float32 else 3e-2
-    for r, (q, length) in enumerate(zip(q_lens, lengths)):
-        own = masks[r] if masks[r] is not None else torch.ones(q, q, dtype=torch.bool).tril()
-        allowed = torch.cat([torch.ones(q, length - q, dtype=torch.bool), own], dim=1)
-        k = keys[r].repeat_interleave(heads // kv_heads, dim=1).transpose(0, 1)  # [Hq, L, D]
-        v = values[r].repeat_interleave(heads // kv_heads, dim=1).transpose(0, 1)
-        scores = query[starts[r]:starts[r + 1]].double().transpose(0, 1) @ k.transpose(1, 2) * 0.125
-        want = torch.softmax(scores.masked_fill(~allowed, float("-inf")), dim=-1) @ v
-        torch.testing.assert_close(out[starts[r]:starts[r + 1]], want.transpose(0, 1), rtol=tol, atol=tol)
+    check_against_reference(output[:T].view(T, heads, head), query, masks, starts, keys, values, 0.125, tol)
     assert bool(torch.isnan(output[T:]).all()), "padding rows must stay untouched"
 
 

@@ -261,50 +261,29 @@ def test_tree_attention_over_paged_cache_equals_dense_reference():
     from vllm import _custom_ops as ops
     from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
 
-    from ddtree.tree import ancestor_mask
     from ddtree.vllm.attention import StepMasks, cache_layout, cpu_gather, tree_attention
+    from paged_case import LENGTHS, check_against_reference, paged_case
 
-    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(0)
     heads, kv_heads, head, block_size, num_blocks = 6, 2, 64, 32, 40
     isa = _get_attn_isa(torch.float32, block_size, head)
     cache = torch.zeros(num_blocks, kv_heads, block_size, 2 * head)
     key_cache, value_cache = cache.view(num_blocks, kv_heads, 2 * block_size, head).chunk(2, dim=2)
     layout = cache_layout(isa, block_size, head, torch.float32)
-    # Runs of equal tree sizes are batched; a plain decode and a prompt chunk go alone.
-    q_lens, lengths = [9, 9, 9, 1, 20, 5], [70, 9, 140, 33, 20, 64]
-    masks, starts, table, free = [], [0], torch.zeros(len(q_lens), 8, dtype=torch.int32), torch.randperm(num_blocks)
-    keys, values = [], []
-    for r, (q, length) in enumerate(zip(q_lens, lengths)):
-        if q in (9, 5):
-            parents = torch.tensor([0] + [int(torch.randint(0, i, ())) for i in range(1, q)])
-            masks.append(ancestor_mask(parents[None], q)[0])
-        else:
-            masks.append(None)
-        n = (length + block_size - 1) // block_size
-        table[r, :n], free = free[:n].int(), free[n:]
-        slots = table[r].long()[torch.arange(length) // block_size] * block_size + torch.arange(length) % block_size
-        k, v = torch.randn(length, kv_heads, head), torch.randn(length, kv_heads, head)
+
+    def write(slots, k, v):  # through the CPU kernel's own store, in its ISA's layout
         ops.cpu_attn_reshape_and_cache(k, v, key_cache, value_cache, slots, isa, k_scale=1.0, v_scale=1.0,
                                        kv_cache_dtype="auto")
-        keys.append(k)
-        values.append(v)
-        starts.append(starts[-1] + q)
-    query = torch.randn(starts[-1], heads, head)
+    masks, starts, table, keys, values = paged_case(num_blocks, block_size, kv_heads, head, write, g)
+    query = torch.randn(starts[-1], heads, head, generator=g)
     meta = SimpleNamespace(query_start_loc=torch.tensor(starts, dtype=torch.int32),
-                           seq_lens=torch.tensor(lengths, dtype=torch.int32), block_table=table)
-    step = StepMasks(masks, frozenset())
-    plans = step.plan(meta, heads // kv_heads, block_size, torch.float32)
+                           seq_lens=torch.tensor(LENGTHS, dtype=torch.int32), block_table=table)
+    plans = StepMasks(masks, frozenset()).plan(meta, heads // kv_heads, block_size, torch.float32)
+    # Runs of equal tree sizes are batched; a plain decode and a prompt chunk go alone.
     assert [(p.count, p.q) for p in plans] == [(3, 9), (1, 1), (1, 20), (1, 5)]
     out = torch.full_like(query, float("nan"))
     tree_attention(query, cpu_gather(cache, layout), kv_heads, plans, 0.125, out)
-    for r, (q, length) in enumerate(zip(q_lens, lengths)):
-        own = masks[r] if masks[r] is not None else torch.ones(q, q, dtype=torch.bool).tril()
-        allowed = torch.cat([torch.ones(q, length - q, dtype=torch.bool), own], dim=1)
-        k = keys[r].repeat_interleave(heads // kv_heads, dim=1).transpose(0, 1)  # [Hq, L, D]
-        v = values[r].repeat_interleave(heads // kv_heads, dim=1).transpose(0, 1)
-        scores = query[starts[r]:starts[r + 1]].transpose(0, 1) @ k.transpose(1, 2) * 0.125
-        want = torch.softmax(scores.masked_fill(~allowed, float("-inf")), dim=-1) @ v
-        torch.testing.assert_close(out[starts[r]:starts[r + 1]], want.transpose(0, 1), rtol=1e-5, atol=1e-5)
+    check_against_reference(out, query, masks, starts, keys, values, 0.125, 1e-5)
 
 
 # ---- child process -------------------------------------------------------------------------------

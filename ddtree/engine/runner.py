@@ -194,6 +194,17 @@ class StepGraph:
         done.record()
         return done
 
+    def replay_seconds(self, context: int, reps: int) -> float:
+        """Seconds per replay on padding rows at position ``context`` (after one warm replay)."""
+        self.replay([], context).synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for i in range(reps):  # slots alternate: a slot's previous upload and readback are done
+            self.replay([], context, slot=i % 2)
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) / 1e3 / reps
+
     def stage_seconds(self) -> list[float]:
         return [a.elapsed_time(b) / 1e3 for a, b in zip(self.events[:-1], self.events[1:])]
 
@@ -475,15 +486,7 @@ class ModelRunner:
         context = max(0, min(context, self.max_context - self.lookahead(method, budget) - 1))
         kind = StepKind(method, budget if method == "ddtree" else 0, "greedy" if greedy else "sample",
                         self.drafter_kv is not None)
-        graph = self._graph(kind, bucket)
-        graph.replay([], context).synchronize()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for i in range(reps):  # slots alternate: a slot's previous upload and readback are done
-            graph.replay([], context, slot=i % 2)
-        end.record()
-        end.synchronize()
-        return start.elapsed_time(end) / 1e3 / reps
+        return self._graph(kind, bucket).replay_seconds(context, reps)
 
     def round_stages(self, kind: StepKind, inp: StepInputs, max_keys: int, state: dict,
                      seqs: list[Sequence] | None = None, generators=None):

@@ -11,6 +11,7 @@ share (key = channels :head, value = head:), whatever its physical stride order.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import threading
 from dataclasses import dataclass, field
@@ -327,14 +328,11 @@ def gpu_tree_forward(impl, query, kv_cache, attn_metadata, output, masks: StepMa
 def install_gpu_attention_hook() -> None:
     """Wrap the forward of vLLM's FlashAttention and Triton attention impls (the GPU backends
     whose caches `gather_logical` reads): tree path while a verify forward is active."""
-    impls = []
-    try:
+    from vllm.v1.attention.backends.triton_attn import TritonAttentionImpl
+    impls = [TritonAttentionImpl]
+    with contextlib.suppress(ImportError):  # a vLLM built without FlashAttention
         from vllm.v1.attention.backends.flash_attn import FlashAttentionImpl
         impls.append(FlashAttentionImpl)
-    except ImportError:  # built without FlashAttention
-        pass
-    from vllm.v1.attention.backends.triton_attn import TritonAttentionImpl
-    impls.append(TritonAttentionImpl)
     for cls in impls:
         original = cls.forward
         if getattr(original, "_ddtree", False):

@@ -87,14 +87,7 @@ def round_ms(llm, method, budget, n, skip=(), context=400, reps=100):
         graph = StepGraph(runner, StepKind(method, budget, "greedy", True), n, runner.graph_pool, split=False)
     finally:
         runner.round_stages = original
-    graph.replay([], context).synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for i in range(reps):
-        graph.replay([], context, slot=i % 2)
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) / reps
+    return graph.replay_seconds(context, reps) * 1e3
 
 
 def prefill_ms(llm, tokens: int, graphs: bool, seqs: int = 1, reps: int = 5) -> float:

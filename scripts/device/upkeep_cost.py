@@ -21,18 +21,6 @@ SMOLLM2 = dict(model_type="llama", vocab_size=49152, hidden_size=576, intermedia
                tie_word_embeddings=True, attention_bias=False, qk_norm=False)
 
 
-def replay_seconds(runner, kind: StepKind, bucket: int, context: int, reps: int) -> float:
-    graph = runner._graph(kind, bucket)
-    graph.replay([], context).synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for i in range(reps):
-        graph.replay([], context, slot=i % 2)
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) / 1e3 / reps
-
-
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--buckets", default="1,4,16,64")
@@ -48,7 +36,7 @@ def main() -> None:
     rows = []
     for bucket in [int(b) for b in args.buckets.split(",")]:
         for sampling in ("greedy", "sample"):
-            plain, upkeep = (replay_seconds(runner, StepKind("ar", 0, sampling, ctx), bucket, args.context, args.reps)
+            plain, upkeep = (runner._graph(StepKind("ar", 0, sampling, ctx), bucket).replay_seconds(args.context, args.reps)
                              for ctx in (False, True))
             rows.append({"bucket": bucket, "sampling": sampling, "plain_ms": plain * 1e3,
                          "with_context_ms": upkeep * 1e3, "upkeep_fraction": upkeep / plain - 1})
