@@ -266,12 +266,12 @@ class LLMEngine:
         if launched.by_auto and progressed:
             # A round launched behind another costs the time between their reads.
             seconds = now - (self._last_read if launched.after else launched.started) if launched.timed else None
-            cand = (launched.kind.method, launched.kind.budget)
-            self.auto.observe(len(launched.seqs), cand, seconds, sum(map(len, out)) / len(out))
+            cand, tokens_per_seq = (launched.kind.method, launched.kind.budget), sum(map(len, out)) / len(out)
+            self.auto.observe(len(launched.seqs), cand, seconds, tokens_per_seq)
             if self.auto_trace is not None:
                 bucket = self.auto.bucket_of(len(launched.seqs))
                 entry = {"t": now, "n": len(launched.seqs), "cand": f"{cand[0]}:{cand[1]}", "s": seconds,
-                         "tau": sum(map(len, out)) / len(out), "after": launched.after}
+                         "tau": tokens_per_seq, "after": launched.after}
                 if len(self.auto_trace) % 16 == 0 and self.auto.best(len(launched.seqs)) is not None:
                     entry["rates"] = {f"{m}:{b}": r for (m, b), r in self.auto.rates(bucket).items()}
                     entry["costs"] = {f"{m}:{b}": self.auto.step_cost(bucket, (m, b)) for m, b in self.auto.candidates}
