@@ -1,5 +1,6 @@
 """budget="auto": the controller's choices, and losslessness while steps switch methods."""
 import itertools
+import random
 
 from ddtree.engine.auto_budget import AutoBudget, auto_candidates
 from ddtree import SamplingParams
@@ -73,6 +74,24 @@ def test_costs_are_the_startup_curve_plus_measured_host_overhead():
     assert abs(controller.step_cost(1, tree) - (controller.prior[(1, tree)] + 0.25)) < 1e-9
     controller.observe(1, tree, 40.0, 2.0)  # a stall in one tree step
     assert abs(controller.step_cost(1, tree) - (controller.prior[(1, tree)] + 0.25)) < 1e-9
+
+
+def test_overlapped_and_fresh_rounds_are_costed_apart():
+    """Overlapped rounds cost their GPU time; fresh ones add the host's preparation. Plain
+    decoding at 1.0 / 1.5 and a tree (tau 2.2) at 2.4 / 2.9: the tree is worth running only in
+    fresh rounds (0.76 vs 0.67 tokens per unit; 0.92 vs 1.0 overlapped). Whatever the mix of the
+    last rounds, each kind of round gets its own answer; one cost per candidate would follow the
+    mix and choose the same for both."""
+    controller = AutoBudget([("ar", 0), ("ddtree", 8)], bucket_of=lambda n: n, explore_every=10**9)
+    cost = {(("ar", 0), False): 1.0, (("ar", 0), True): 1.5, (("ddtree", 8), False): 2.4,
+            (("ddtree", 8), True): 2.9}
+    rng = random.Random(0)
+    for i in range(400):
+        fresh = rng.random() < (0.8 if i < 200 else 0.2)  # the mix changes halfway
+        cand = controller.choose(64, fresh)
+        controller.observe(64, cand, cost[(cand, fresh)], 1.0 if cand == ("ar", 0) else 2.2, fresh)
+        if i > 50:
+            assert cand == (("ddtree", 8) if fresh else ("ar", 0)), (i, fresh, cand)
 
 
 def test_own_step_times_replace_a_wrong_startup_curve():
@@ -151,7 +170,7 @@ def test_switching_methods_every_step_stays_lossless(smol, tokenizer, prompts, a
     must stay right across those switches (plain steps store it too)."""
     llm = make_llm(smol, tokenizer, method="ddtree", budget="auto", drafter=SHIPPED, max_budget=32)
     cycle = itertools.cycle(llm.engine.auto.candidates)
-    llm.engine.auto.choose = lambda n: next(cycle)
+    llm.engine.auto.choose = lambda n, fresh=False: next(cycle)
     outs = llm.generate(prompts[:6], GREEDY_64)
     for p, o in zip(prompts[:6], outs):
         assert o.token_ids == ar_reference[tuple(p)]
@@ -165,7 +184,7 @@ def test_a_tree_step_gives_every_smaller_tree_its_accepted_length(smol, tokenize
     trees accept when they run the same step themselves (greedy, first step after the prompt)."""
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
     llm = make_llm(smol, tokenizer, method="ddtree", budget="auto", drafter=SHIPPED, max_budget=32)
-    llm.engine.auto.choose = lambda n: ("ddtree", 32)
+    llm.engine.auto.choose = lambda n, fresh=False: ("ddtree", 32)
     seen = []
     observe_tau = llm.engine.auto.observe_tau
     llm.engine.auto.observe_tau = lambda cand, tau: (seen.append((cand, tau)), observe_tau(cand, tau))
@@ -181,3 +200,31 @@ def test_a_tree_step_gives_every_smaller_tree_its_accepted_length(smol, tokenize
             assert predicted[b] == actual, (b, predicted, actual)
             checked += actual > 1
     assert checked > 0  # some steps accepted drafted tokens, so the cut was tested
+
+
+def test_deferred_context_drafts_like_storing_it_every_round(smol, tokenizer, prompts):
+    """Plain rounds under auto keep only their tapped features (the tap cache); the next
+    speculative round projects them into the drafter's context first. Across scripted switches,
+    with overlapped rounds (a tree launched behind a plain round and the reverse) and requests
+    of different lengths, the drafts must be those of a run that stores the context every
+    round: the same accepted length at every step."""
+    script = [("ar", 0)] * 3 + [("ddtree", 16), ("ar", 0), ("dflash", 0)] + [("ar", 0)] * 2 + [
+        ("ddtree", 8), ("ddtree", 16), ("ar", 0), ("ddtree", 16)]
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (48, 30, 64, 41)]
+    runs = {}
+    for defer in (True, False):
+        llm = make_llm(smol, tokenizer, method="ddtree", budget="auto", drafter=SHIPPED, max_budget=16,
+                       overlap_steps=True)
+        runner = llm.engine.runner
+        assert runner.tap_cache is not None  # budget="auto" defers by default
+        if not defer:
+            runner.tap_cache = None  # store the drafter's K/V in every plain round instead
+        cycle = itertools.cycle(script)
+        llm.engine.auto.choose = lambda n, fresh=False: next(cycle)
+        outs = llm.generate(prompts[:4], params)
+        runs[defer] = [(o.token_ids, o.metrics.accepted_lengths) for o in outs]
+        if defer:
+            assert runner.caught_up_tokens > 50 and llm.engine.overlapped_rounds > 20
+    assert runs[True] == runs[False]
+    lens = [n for _, accepted in runs[True] for n in accepted]
+    assert max(lens) > 3  # drafts were accepted, so they depended on the context

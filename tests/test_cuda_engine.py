@@ -2,6 +2,8 @@
 machine, skipped elsewhere): captured prefill steps (one and several sequences) and overlapped
 graph rounds must give the tokens of eager, one-round-at-a-time decoding, and prompt lengths must
 not recompile kernels."""
+import itertools
+
 import pytest
 import torch
 
@@ -86,6 +88,51 @@ def test_prompt_lengths_do_not_recompile_attention(models):
     _run(models, "ddtree", 16, graphs=False, overlap=False, batched=False,
          prompts=[base[:k] for k in (2, 3, 4, 16, 31, 32, 48, 160, 161)])
     assert _compiled_variants(kernel) == before
+
+
+def test_deferred_context_under_graphs_matches_storing_it(models):
+    """Plain rounds under auto defer the drafter's context to the tap cache (captured), and a
+    speculative round projects it first (eager, on the stream, between graph replays). Checked
+    every few steps of scripted switches with overlapped rounds: the drafter's K/V of every
+    position below where the deferral starts equals an engine's that stores it every round."""
+    script = [("ar", 0)] * 3 + [("ddtree", 32), ("ar", 0), ("dflash", 0)] + [("ar", 0)] * 2 + [
+        ("ddtree", 8), ("ddtree", 32), ("ar", 0), ("ddtree", 32)]
+    engines = []
+    for defer in (True, False):
+        llm = LLM(target=models[0], drafter=models[1], method="ddtree", budget="auto", device="cuda",
+                  dtype=torch.float32, max_model_len=1024, max_num_seqs=8, kv_cache_gb=0.5, max_budget=32)
+        engine = llm.engine
+        assert engine.runner.tap_cache is not None
+        if not defer:
+            engine.runner.tap_cache = None
+        cycle = itertools.cycle(script)
+        engine.auto.choose = lambda n, fresh=False, cycle=cycle: next(cycle)
+        seqs = [engine.add_request(p, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))
+                for p, n in zip(_prompts(4), (150, 90, 200, 120))]
+        engines.append((engine, seqs))
+    compared = 0
+    for step in range(120):
+        for engine, _ in engines:
+            engine.step()
+        if step % 7:
+            continue
+        torch.cuda.synchronize()
+        for (deferred, a), (stored, b) in zip(*[[(e, s) for s in seqs] for e, seqs in engines]):
+            if a.is_finished or b.is_finished:
+                continue
+            upto = min(a.num_cached if a.context_from is None else a.context_from, b.num_cached)
+            torch.testing.assert_close(_drafter_context(deferred, a, upto), _drafter_context(stored, b, upto),
+                                       atol=1e-4, rtol=1e-4)
+            compared += upto
+    assert compared > 1000 and engines[0][0].runner.caught_up_tokens > 100
+    assert engines[0][0].overlapped_rounds > 50
+
+
+def _drafter_context(engine, seq, upto):
+    bs = engine.blocks.block_size
+    pos = torch.arange(upto)
+    slots = torch.tensor(seq.block_table)[pos // bs] * bs + pos % bs
+    return engine.runner.drafter_kv[:, :, slots.cuda()]
 
 
 def test_fused_context_store_matches_torch_path(models, monkeypatch):

@@ -10,6 +10,13 @@ candidate with the largest tau(c) / cost(n, c):
   bucket's host overhead (median of wall - graph time over recent real steps of any candidate).
   With the curve alone, auto ran 11% of its steps on the chain at c=16 in the H200 grid, where
   the chain measured 0.65x the speed of plain decoding.
+  Costs are kept apart for rounds launched behind an unread one (overlapped: the host's work is
+  hidden, a round costs its GPU time) and fresh rounds (after a prefill or a change of batch:
+  the host's preparation adds ~0.25 ms on the H200), and a round is chosen with the costs of its
+  kind. Mixed together, plain decoding's estimate swung by +-20 % at concurrency 64 with the
+  last 9 rounds' mix (1.27 ms overlapped, 1.52 ms fresh in an H200 trace) and flipped close
+  calls to trees; and a fixed host cost per round is worth more to a round that commits more
+  tokens, so a fresh round may rightly choose a tree where an overlapped one does not.
 - tau: tokens committed per sequence per step, the mean over the candidate's last
   ``tau_window`` steps (plain decoding is exactly 1), lifted to the best smaller tree's (a
   bigger tree contains it). A tree's step also counts for every smaller tree: the first b nodes
@@ -69,9 +76,10 @@ class AutoBudget:
         self.tau_window = tau_window
         self.tau: dict[tuple[str, int], float] = {("ar", 0): 1.0}
         self.tau_recent: dict[tuple[str, int], deque] = {}  # recent tokens per sequence per step
-        self.samples: dict[tuple[int, tuple[str, int]], deque] = {}  # recent wall times per step
+        # recent wall times per (bucket, candidate, fresh)
+        self.samples: dict[tuple[int, tuple[str, int], bool], deque] = {}
         self.prior: dict[tuple[int, tuple[str, int]], float] = {}    # start-up profile
-        self.overhead_samples: dict[int, deque] = {}                 # wall - prior, per bucket
+        self.overhead_samples: dict[tuple[int, bool], deque] = {}    # wall - prior, per (bucket, fresh)
         self.tries: dict[tuple[str, int], int] = {}  # plain decoding too: its cost is measured
         self.min_tries = min_tries
         # Speculation must beat plain decoding's rate by this fraction to be chosen over it.
@@ -82,16 +90,15 @@ class AutoBudget:
 
     WINDOW = 9  # recent steps whose median is a cost
 
-    def step_cost(self, bucket: int, cand) -> float | None:
-        own = self.samples.get((bucket, cand))
+    def step_cost(self, bucket: int, cand, fresh: bool = False) -> float | None:
+        own = self.samples.get((bucket, cand, fresh))
         if own is not None and len(own) >= self.min_tries:
             return statistics.median(own)
         if (bucket, cand) in self.prior:
-            over = self.overhead_samples.get(bucket)
+            over = self.overhead_samples.get((bucket, fresh))
             return self.prior[(bucket, cand)] + (statistics.median(over) if over else 0.0)
-        if (bucket, cand) in self.samples:
-            return statistics.median(self.samples[(bucket, cand)])
-        return None
+        few = own or self.samples.get((bucket, cand, not fresh))
+        return statistics.median(few) if few else None
 
     def tau_estimate(self, cand) -> float:
         """A bigger tree contains every smaller one, so tau can only grow with the budget: the
@@ -100,16 +107,17 @@ class AutoBudget:
             return self.tau[cand]
         return max(self.tau[c] for c in self.candidates if c[0] == "ddtree" and c[1] <= cand[1] and c in self.tau)
 
-    def rate(self, bucket: int, cand) -> float:
+    def rate(self, bucket: int, cand, fresh: bool = False) -> float:
         """Expected tokens per second per sequence."""
-        return self.tau_estimate(cand) / self.step_cost(bucket, cand)
+        return self.tau_estimate(cand) / self.step_cost(bucket, cand, fresh)
 
-    def choose(self, n: int) -> tuple[str, int]:
+    def choose(self, n: int, fresh: bool = False) -> tuple[str, int]:
+        """The candidate for a round over n sequences; ``fresh``: not launched behind another."""
         bucket = self.bucket_of(n)
         for cand in self.candidates:  # everything is tried a few times (one step is a noisy tau)
-            if self.tries.get(cand, 0) < self.min_tries or self.step_cost(bucket, cand) is None:
+            if self.tries.get(cand, 0) < self.min_tries or self.step_cost(bucket, cand, fresh) is None:
                 return cand
-        rates = self.rates(bucket)
+        rates = self.rates(bucket, fresh)
         best = max(self.candidates, key=rates.get)
         if best != ("ar", 0) and rates[best] < (1 + self.ar_margin) * rates[("ar", 0)]:
             best = ("ar", 0)
@@ -121,12 +129,12 @@ class AutoBudget:
                 return min(plausible, key=lambda c: self.last_run.get(c, -1))
         return best
 
-    def rates(self, bucket: int) -> dict[tuple[str, int], float]:
-        return {c: self.rate(bucket, c) for c in self.candidates}
+    def rates(self, bucket: int, fresh: bool = False) -> dict[tuple[str, int], float]:
+        return {c: self.rate(bucket, c, fresh) for c in self.candidates}
 
-    def observe(self, n: int, cand, seconds: float | None, tokens_per_seq: float) -> None:
+    def observe(self, n: int, cand, seconds: float | None, tokens_per_seq: float, fresh: bool = False) -> None:
         """One step's outcome; seconds=None when its wall time is not its cost (it captured a
-        graph)."""
+        graph). ``fresh``: the round was not launched behind another."""
         bucket = self.bucket_of(n)
         self.tries[cand] = self.tries.get(cand, 0) + 1
         self.observed += 1
@@ -135,9 +143,9 @@ class AutoBudget:
             self.observe_tau(cand, tokens_per_seq)
         if seconds is None:
             return
-        self.samples.setdefault((bucket, cand), deque(maxlen=self.WINDOW)).append(seconds)
+        self.samples.setdefault((bucket, cand, fresh), deque(maxlen=self.WINDOW)).append(seconds)
         if (bucket, cand) in self.prior:
-            self.overhead_samples.setdefault(bucket, deque(maxlen=self.WINDOW)).append(
+            self.overhead_samples.setdefault((bucket, fresh), deque(maxlen=self.WINDOW)).append(
                 max(0.0, seconds - self.prior[(bucket, cand)]))
 
     def observe_tau(self, cand, tokens_per_seq: float) -> None:
@@ -148,11 +156,12 @@ class AutoBudget:
         recent.append(tokens_per_seq)
         self.tau[cand] = sum(recent) / len(recent)
 
-    def best(self, n: int) -> tuple[str, int] | None:
+    def best(self, n: int, fresh: bool = False) -> tuple[str, int] | None:
         """The current choice without exploring (None until everything was tried)."""
         bucket = self.bucket_of(n)
-        if any(self.tries.get(c, 0) < self.min_tries or self.step_cost(bucket, c) is None for c in self.candidates):
+        if any(self.tries.get(c, 0) < self.min_tries or self.step_cost(bucket, c, fresh) is None
+               for c in self.candidates):
             return None
-        rates = self.rates(bucket)
+        rates = self.rates(bucket, fresh)
         best = max(self.candidates, key=rates.get)
         return ("ar", 0) if rates[best] < (1 + self.ar_margin) * rates[("ar", 0)] else best

@@ -78,14 +78,17 @@ class LLMEngine:
         self.target_config = target.config
         self.max_model_len = min(config.max_model_len, target.config.max_position_embeddings)
         self.eos_token_ids = self._eos_ids(tokenizer)
-        bytes_per_slot = self._bytes_per_slot(target, drafter if config.method != "ar" else None, dtype)
+        # Plain rounds under budget="auto" defer the drafter's context (ModelRunner.catch_up).
+        defer_context = config.budget == "auto" and config.method != "ar" and isinstance(drafter, DFlashDrafter)
+        bytes_per_slot = self._bytes_per_slot(target, drafter if config.method != "ar" else None, dtype,
+                                              defer_context)
         num_blocks = int(config.kv_cache_gb * 2**30 // (bytes_per_slot * config.block_size))
         self.blocks = BlockManager(num_blocks, config.block_size)
         self.drafter = drafter if config.method != "ar" else None
         self.budget_cap = config.max_budget if config.budget == "auto" else config.budget
         max_lookahead = max(ModelRunner.lookahead_for(m, self.budget_cap, drafter) for m in self._methods())
         self.runner = ModelRunner(target, self.drafter, self.blocks, device, dtype, self.max_model_len,
-                                  max_lookahead, config.cuda_graphs)
+                                  max_lookahead, config.cuda_graphs, defer_context)
         self.auto = AutoBudget(auto_candidates(self.budget_cap, self.drafter is not None),
                                lambda n: next((b for b in GRAPH_BUCKETS if b >= n), n))
         self.step_choices: Counter = Counter()  # (method, budget) run for auto requests
@@ -115,13 +118,15 @@ class LLMEngine:
         return ids
 
     @staticmethod
-    def _bytes_per_slot(target, drafter, dtype) -> int:
+    def _bytes_per_slot(target, drafter, dtype, tap_cache: bool = False) -> int:
         size = torch.tensor([], dtype=dtype).element_size()
         layers, heads, dim = target.kv_shape()
         total = 2 * layers * heads * dim * size
         if isinstance(drafter, DFlashDrafter):
             layers, heads, dim = drafter.kv_shape()
             total += 2 * layers * heads * dim * size
+            if tap_cache:
+                total += len(drafter.taps) * target.config.hidden_size * size
         return total
 
     # ---- requests ----------------------------------------------------------------------------
@@ -213,7 +218,7 @@ class LLMEngine:
     def _launch(self, seqs: list[Sequence], method: str, budget, after: Launched | None = None) -> Launched:
         auto = budget == "auto"
         if auto:
-            method, budget = cand = self.auto.choose(len(seqs))
+            method, budget = cand = self.auto.choose(len(seqs), fresh=after is None)
             self.step_choices[cand] += 1
         graphs_before = len(self.runner.graphs)
         started = time.perf_counter()
@@ -267,14 +272,16 @@ class LLMEngine:
             # A round launched behind another costs the time between their reads.
             seconds = now - (self._last_read if launched.after else launched.started) if launched.timed else None
             cand, tokens_per_seq = (launched.kind.method, launched.kind.budget), sum(map(len, out)) / len(out)
-            self.auto.observe(len(launched.seqs), cand, seconds, tokens_per_seq)
+            self.auto.observe(len(launched.seqs), cand, seconds, tokens_per_seq, fresh=not launched.after)
             if self.auto_trace is not None:
                 bucket = self.auto.bucket_of(len(launched.seqs))
                 entry = {"t": now, "n": len(launched.seqs), "cand": f"{cand[0]}:{cand[1]}", "s": seconds,
                          "tau": tokens_per_seq, "after": launched.after}
-                if len(self.auto_trace) % 16 == 0 and self.auto.best(len(launched.seqs)) is not None:
-                    entry["rates"] = {f"{m}:{b}": r for (m, b), r in self.auto.rates(bucket).items()}
-                    entry["costs"] = {f"{m}:{b}": self.auto.step_cost(bucket, (m, b)) for m, b in self.auto.candidates}
+                fresh = not launched.after
+                if len(self.auto_trace) % 16 == 0 and self.auto.best(len(launched.seqs), fresh) is not None:
+                    entry["rates"] = {f"{m}:{b}": r for (m, b), r in self.auto.rates(bucket, fresh).items()}
+                    entry["costs"] = {f"{m}:{b}": self.auto.step_cost(bucket, (m, b), fresh)
+                                      for m, b in self.auto.candidates}
                 self.auto_trace.append(entry)
             if launched.kind.method == "ddtree":  # what each smaller tree would have accepted
                 for method, b in self.auto.candidates:

@@ -21,7 +21,7 @@ import torch
 
 from ddtree.context import AttentionContext
 from ddtree.engine.block_manager import BlockManager
-from ddtree.engine.sequence import Sequence
+from ddtree.engine.sequence import CONTEXT_PENDING, Sequence
 from ddtree.kernels import triton_enabled
 from ddtree.models.decoder import DecoderLM
 from ddtree.models.dflash import DFlashDrafter
@@ -66,6 +66,7 @@ class StepKind:
     budget: int
     sampling: str         # "greedy" | "sample" | "filtered"
     store_context: bool   # keep the drafter's context up to date (auto may switch methods)
+    # (plain decoding with a tap cache stores only the root's taps; see ModelRunner.catch_up)
 
 
 class StageTimer:
@@ -288,7 +289,8 @@ def pack_outputs(tokens: torch.Tensor, num_accepted: torch.Tensor, bonus: torch.
 
 class ModelRunner:
     def __init__(self, target: DecoderLM, drafter, blocks: BlockManager, device: torch.device,
-                 dtype: torch.dtype, max_model_len: int, max_lookahead: int, cuda_graphs: bool = True):
+                 dtype: torch.dtype, max_model_len: int, max_lookahead: int, cuda_graphs: bool = True,
+                 defer_context: bool = False):
         self.target, self.drafter = target, drafter
         # Inference only: no autograd graphs, and the Triton kernels (which have no backward) stay on.
         for model in (target, drafter):
@@ -307,6 +309,14 @@ class ModelRunner:
         if isinstance(drafter, DFlashDrafter):
             self.drafter_kv = self._alloc_kv(drafter.kv_shape(), num_slots)
         self.taps = tuple(getattr(drafter, "taps", ()))
+        # Plain-decoding rounds under budget="auto" keep only their tapped target features here
+        # (by cache slot); the drafter projects them when a speculative round next needs them.
+        # Storing the drafter's K/V every plain round cost 5-6 % of the round on the H200.
+        self.tap_cache = None
+        if defer_context and self.drafter_kv is not None:
+            self.tap_cache = torch.zeros(num_slots, len(self.taps) * target.config.hidden_size,
+                                         device=device, dtype=dtype)
+        self.caught_up_tokens = 0
         self.use_graphs = cuda_graphs and device.type == "cuda"
         self.graphs: dict[tuple[StepKind, int, bool], StepGraph] = {}
         self.prefill_graphs: dict[tuple[int, int], PrefillGraph] = {}  # (tokens, sequences)
@@ -422,6 +432,8 @@ class ModelRunner:
         bonus token is the root, its accepted tokens are in the cache), so the host never waits
         between rounds. The blocks must already cover both rounds' lookahead."""
         kind = self.step_kind(seqs, method, budget, store_context)
+        if self.tap_cache is not None:
+            self.track_context(seqs, kind, after)
         self.decode_calls += 1
         n = len(seqs)
         bucket = self.graph_bucket(n, kind, seqs)
@@ -453,6 +465,40 @@ class ModelRunner:
                         num_accepted, bonus,
                         after=after is not None)
 
+    def track_context(self, seqs: list[Sequence], kind: StepKind, after: Launched | None) -> None:
+        """Before a round: a plain-decoding round that defers the drafter's context marks where
+        the deferred positions start; a speculative round first projects the deferred ones
+        (every position from ``context_from`` up to its root was the root of a deferred plain
+        round, whose taps are in the tap cache)."""
+        if kind.method == "ar":
+            if kind.store_context:
+                for s in seqs:
+                    if s.context_from is None:  # behind an unread tree, the root is not known yet
+                        s.context_from = len(s) - 1 if after is None else CONTEXT_PENDING
+            return
+        slots, positions = [], []
+        for s in seqs:
+            if s.context_from is None:
+                continue
+            assert s.context_from != CONTEXT_PENDING, "the round before the last was not read"
+            # A deferred position means the last round launched for s was plain (1 token).
+            root = len(s) - 1 + (after is not None)
+            pos = np.arange(s.context_from, root)
+            slots.append(np.asarray(s.block_table)[pos // self.blocks.block_size] * self.blocks.block_size
+                         + pos % self.blocks.block_size)
+            positions.append(pos)
+            s.context_from = None
+        if slots:
+            self.catch_up(np.concatenate(slots), np.concatenate(positions))
+
+    def catch_up(self, slots: np.ndarray, positions: np.ndarray, chunk: int = 4096) -> None:
+        """Project deferred positions' taps into the drafter's context (on the stream, no sync)."""
+        self.caught_up_tokens += len(slots)
+        for i in range(0, len(slots), chunk):
+            both = torch.from_numpy(np.stack([slots[i:i + chunk], positions[i:i + chunk]]))
+            both = both.pin_memory().to(self.device, non_blocking=True) if self.device.type == "cuda" else both
+            self.drafter.store_context(self.tap_cache[both[0]], both[1], self.drafter_kv, both[0])
+
     def finish(self, launched: Launched) -> list[list[int]]:
         """Wait for a launched round and read it (the one sync of a step); returns the tokens each
         sequence commits and advances its cached length."""
@@ -467,6 +513,8 @@ class ModelRunner:
         for seq, row in zip(launched.seqs, packed):
             k, L = row[0], (len(row) - 2) // 2
             seq.num_cached += k
+            if seq.context_from == CONTEXT_PENDING:  # a deferred round behind this one: its root
+                seq.context_from = seq.num_cached
             out.append(row[3:2 + k] + [row[1]])
             launched.path_nodes.append(row[3 + L:2 + L + k])
         return out
@@ -507,7 +555,7 @@ class ModelRunner:
             state["out"], state["dst"] = self.commit(kind, state["tree"], state["accepted"], state["verified"][2])
 
         def context():
-            self.update_context(inp, state["accepted"][0], state["verified"][1], state["dst"])
+            self.update_context(kind, inp, state["accepted"][0], state["verified"][1], state["dst"])
 
         return draft, build, verify, accept, commit, context
 
@@ -593,10 +641,14 @@ class ModelRunner:
             self.target_kv[:, :, dst.reshape(-1)] = self.target_kv[:, :, src]
         return (gather_rows(tree.tokens, path), num_accepted, bonus), dst
 
-    def update_context(self, inp: StepInputs, path: torch.Tensor, taps, dst: torch.Tensor) -> None:
+    def update_context(self, kind: StepKind, inp: StepInputs, path: torch.Tensor, taps,
+                       dst: torch.Tensor) -> None:
         """Extend the drafter's context with the accepted nodes' tapped target features. Rows past
         the accepted length write harmless context beyond the committed prefix."""
         if taps is None or self.drafter_kv is None:
+            return
+        if kind.method == "ar" and self.tap_cache is not None:  # deferred: see catch_up
+            self.tap_cache[dst[:, 0]] = taps[:, 0]
             return
         L = path.shape[1]
         positions = (inp.starts[:, None] + torch.arange(L, device=self.device)).reshape(-1)

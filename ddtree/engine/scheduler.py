@@ -69,6 +69,7 @@ class Scheduler:
         self.running.remove(seq)
         self.blocks.release(seq)
         seq.num_cached = 0
+        seq.context_from = None  # the recompute prefills (and stores context for) every token
         seq.status = Status.WAITING
         self.waiting.appendleft(seq)
 

@@ -99,12 +99,13 @@ class DecoderLM(nn.Module):
         """Returns (final-normed hidden [T, H], concatenated tapped layer outputs [T, len(taps)*H])."""
         x, residual = self.embed(input_ids), None
         cos, sin = self.rotary.cos_sin(positions)
-        tapped = {}
+        H = x.shape[-1]
+        tap_out = x.new_empty(x.shape[0], len(taps) * H) if taps else None
         for i, layer in enumerate(self.model.layers):
             x, residual = layer(x, residual, cos, sin, kv_caches[i], ctx)
-            if i in taps:
-                tapped[i] = x + residual
-        tap_out = torch.cat([tapped[i] for i in taps], -1) if taps else None
+            if i in taps:  # written in place: no concatenation afterwards
+                k = taps.index(i)
+                torch.add(x, residual, out=tap_out[:, k * H:(k + 1) * H])
         return add_rms_norm(x, residual, self.model.norm)[0], tap_out
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
