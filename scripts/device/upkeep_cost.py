@@ -35,7 +35,7 @@ def main() -> None:
     llm = LLM(target=target, drafter=drafter, method="ddtree", budget="auto", device=device, dtype=dtype,
               max_model_len=2048, max_num_seqs=64, kv_cache_gb=4)
     runner = llm.engine.runner
-    tap_cache = runner.tap_cache
+    tap_cache, kept = runner.tap_cache, []
     rows = []
     for bucket in [int(b) for b in args.buckets.split(",")]:
         for sampling in ("greedy", "sample"):
@@ -44,9 +44,9 @@ def main() -> None:
                                     ("stored", True, None)):
                 runner.tap_cache = taps
                 kind = StepKind("ar", 0, sampling, ctx)
-                runner.graphs.pop((kind, bucket, False), None)  # captured with this tap cache setting
                 ms[name] = runner._graph(kind, bucket).replay_seconds(args.context, args.reps) * 1e3
-                runner.graphs.pop((kind, bucket, False), None)
+                # captured with this tap cache setting; kept alive (its memory is in the graph pool)
+                kept.append(runner.graphs.pop((kind, bucket, False)))
             rows.append({"bucket": bucket, "sampling": sampling, "plain_ms": ms["plain"],
                          "deferred_ms": ms["deferred"], "stored_ms": ms["stored"],
                          "deferred_fraction": ms["deferred"] / ms["plain"] - 1,
