@@ -27,7 +27,7 @@ def test_request_lengths_are_mixed_and_the_same_for_every_method():
 
 def test_bench_quick(tmp_path):
     out = tmp_path / "bench.json"
-    assert main(["--quick", "--out", str(out)]) == 0
+    assert main(["--quick", "--auto-trace", "--out", str(out)]) == 0
     data = json.loads(out.read_text())
     rows = data["results"]
     assert {(r["method"], r["budget"], r["concurrency"]) for r in rows} == {
@@ -35,6 +35,9 @@ def test_bench_quick(tmp_path):
     for r in rows:
         assert r["tokens"] == 2 * 8 and r["tokens_per_s"] > 0 and r["tau"] >= 1.0
         assert r["split_s"]["verify"] > 0
+        # --auto-trace keeps every round of every method (for plain decoding too, to compare)
+        cands = {e["cand"] for e in r["auto_trace"]}
+        assert cands == {f"{r['method']}:{r['budget']}"} if r["budget"] != "auto" else cands <= set(r["auto_choices"])
         if r["method"] == "ar":
             assert r["speedup_vs_ar"] == 1.0 and r["tau"] == 1.0
         elif r["budget"] == "auto":  # every step of an auto run is one of its candidates

@@ -224,7 +224,7 @@ def main(argv=None) -> int:
     p.add_argument("--auto-margin", type=float, default=None,
                    help="auto runs speculation only when its rate beats plain decoding's by this fraction")
     p.add_argument("--auto-trace", action="store_true",
-                   help="keep auto's steps (candidate, cost, tokens; estimates every 16 steps) in the JSON")
+                   help="keep every round of every method (method, wall time, tokens; auto's estimates every 16 rounds) in the JSON")
     p.add_argument("--quick", action="store_true", help="tiny CPU run for CI: seconds, not minutes")
     p.add_argument("--out", default="bench/results/bench.json")
     p.add_argument("--png", default=None)

@@ -92,7 +92,7 @@ class LLMEngine:
         self.auto = AutoBudget(auto_candidates(self.budget_cap, self.drafter is not None),
                                lambda n: next((b for b in GRAPH_BUCKETS if b >= n), n))
         self.step_choices: Counter = Counter()  # (method, budget) run for auto requests
-        self.auto_trace: list | None = None  # set to [] to record auto's steps (ddtree bench --auto-trace)
+        self.auto_trace: list | None = None  # set to [] to record every round (ddtree bench --auto-trace)
         need = self.max_model_len + max_lookahead
         if num_blocks * config.block_size < need:
             raise ValueError(f"kv_cache_gb={config.kv_cache_gb} holds {num_blocks * config.block_size} tokens, "
@@ -268,22 +268,24 @@ class LLMEngine:
             if seq.is_finished:
                 self.scheduler.finish(seq)
                 self.seqs.pop(seq.request_id, None)
-        if launched.by_auto and progressed:
+        if progressed and (launched.by_auto or self.auto_trace is not None):
             # A round launched behind another costs the time between their reads.
             seconds = now - (self._last_read if launched.after else launched.started) if launched.timed else None
             cand, tokens_per_seq = (launched.kind.method, launched.kind.budget), sum(map(len, out)) / len(out)
-            self.auto.observe(len(launched.seqs), cand, seconds, tokens_per_seq, fresh=not launched.after)
-            if self.auto_trace is not None:
-                bucket = self.auto.bucket_of(len(launched.seqs))
+            fresh = not launched.after
+            if launched.by_auto:
+                self.auto.observe(len(launched.seqs), cand, seconds, tokens_per_seq, fresh=fresh)
+            if self.auto_trace is not None:  # every round, so plain decoding's can be compared
                 entry = {"t": now, "n": len(launched.seqs), "cand": f"{cand[0]}:{cand[1]}", "s": seconds,
                          "tau": tokens_per_seq, "after": launched.after}
-                fresh = not launched.after
-                if len(self.auto_trace) % 16 == 0 and self.auto.best(len(launched.seqs), fresh) is not None:
+                if (launched.by_auto and len(self.auto_trace) % 16 == 0
+                        and self.auto.best(len(launched.seqs), fresh) is not None):
+                    bucket = self.auto.bucket_of(len(launched.seqs))
                     entry["rates"] = {f"{m}:{b}": r for (m, b), r in self.auto.rates(bucket, fresh).items()}
                     entry["costs"] = {f"{m}:{b}": self.auto.step_cost(bucket, (m, b), fresh)
                                       for m, b in self.auto.candidates}
                 self.auto_trace.append(entry)
-            if launched.kind.method == "ddtree":  # what each smaller tree would have accepted
+            if launched.by_auto and launched.kind.method == "ddtree":  # what each smaller tree would have accepted
                 for method, b in self.auto.candidates:
                     if method == "ddtree" and b < launched.kind.budget:
                         self.auto.observe_tau((method, b), sum(1 + sum(j <= b for j in nodes)

@@ -253,10 +253,8 @@ class PrefillGraph:
         off = 0
         for i, (table, start, token_ids) in enumerate(chunks):
             n = len(token_ids)
-            pos = np.arange(start, start + n)
             ids[off:off + n] = token_ids
-            positions[off:off + n] = pos
-            slots[off:off + n] = np.asarray(table)[pos // bs] * bs + pos % bs
+            slots[off:off + n], positions[off:off + n] = position_slots([start], [start + n], [table], bs)
             tables[i, :len(table)] = table
             cached[i] = start
             off += n
@@ -278,6 +276,18 @@ def _then(first, second):
         first()
         second()
     return both
+
+
+def position_slots(lo, hi, tables, block_size: int) -> tuple[np.ndarray, np.ndarray]:
+    """Cache slots and positions of positions lo[i] <= p < hi[i] of sequence i (block table
+    tables[i]), all sequences in one vectorised pass."""
+    counts = np.subtract(hi, lo)
+    pos = np.arange(counts.sum()) - np.repeat(np.cumsum(counts) - counts - np.asarray(lo), counts)
+    table = np.zeros((len(tables), max(map(len, tables))), dtype=np.int64)
+    for i, t in enumerate(tables):
+        table[i, :len(t)] = t
+    row = np.repeat(np.arange(len(tables)), counts)
+    return table[row, pos // block_size] * block_size + pos % block_size, pos
 
 
 def pack_outputs(tokens: torch.Tensor, num_accepted: torch.Tensor, bonus: torch.Tensor,
@@ -317,6 +327,8 @@ class ModelRunner:
             self.tap_cache = torch.zeros(num_slots, len(self.taps) * target.config.hidden_size,
                                          device=device, dtype=dtype)
         self.caught_up_tokens = 0
+        self._catch_up_host = self._catch_up_dev = None  # upload buffers of catch_up
+        self._catch_up_read = torch.cuda.Event() if device.type == "cuda" else None
         self.use_graphs = cuda_graphs and device.type == "cuda"
         self.graphs: dict[tuple[StepKind, int, bool], StepGraph] = {}
         self.prefill_graphs: dict[tuple[int, int], PrefillGraph] = {}  # (tokens, sequences)
@@ -476,28 +488,40 @@ class ModelRunner:
                     if s.context_from is None:  # behind an unread tree, the root is not known yet
                         s.context_from = len(s) - 1 if after is None else CONTEXT_PENDING
             return
-        slots, positions = [], []
+        lo, hi, tables = [], [], []
         for s in seqs:
             if s.context_from is None:
                 continue
             assert s.context_from != CONTEXT_PENDING, "the round before the last was not read"
             # A deferred position means the last round launched for s was plain (1 token).
-            root = len(s) - 1 + (after is not None)
-            pos = np.arange(s.context_from, root)
-            slots.append(np.asarray(s.block_table)[pos // self.blocks.block_size] * self.blocks.block_size
-                         + pos % self.blocks.block_size)
-            positions.append(pos)
+            lo.append(s.context_from)
+            hi.append(len(s) - 1 + (after is not None))
+            tables.append(s.block_table)
             s.context_from = None
-        if slots:
-            self.catch_up(np.concatenate(slots), np.concatenate(positions))
+        if lo:
+            self.catch_up(*position_slots(lo, hi, tables, self.blocks.block_size))
 
-    def catch_up(self, slots: np.ndarray, positions: np.ndarray, chunk: int = 4096) -> None:
-        """Project deferred positions' taps into the drafter's context (on the stream, no sync)."""
-        self.caught_up_tokens += len(slots)
-        for i in range(0, len(slots), chunk):
-            both = torch.from_numpy(np.stack([slots[i:i + chunk], positions[i:i + chunk]]))
-            both = both.pin_memory().to(self.device, non_blocking=True) if self.device.type == "cuda" else both
-            self.drafter.store_context(self.tap_cache[both[0]], both[1], self.drafter_kv, both[0])
+    def catch_up(self, slots: np.ndarray, positions: np.ndarray, chunk: int = 8192) -> None:
+        """Project deferred positions' taps into the drafter's context, on the stream without a
+        sync: the launch of the next round runs behind an unread one, so its host time must stay
+        small (one upload through a kept pinned buffer, a few kernels per chunk)."""
+        n = len(slots)
+        self.caught_up_tokens += n
+        both = torch.from_numpy(np.stack([slots, positions]))
+        if self.device.type == "cuda":
+            if self._catch_up_host is None or self._catch_up_host.shape[1] < n:
+                size = max(n, 2 * (0 if self._catch_up_host is None else self._catch_up_host.shape[1]), 4096)
+                self._catch_up_host = torch.empty(2, size, dtype=torch.long).pin_memory()
+                self._catch_up_dev = torch.empty(2, size, dtype=torch.long, device=self.device)
+            else:
+                self._catch_up_read.synchronize()  # the last upload has left the buffer (long since)
+            self._catch_up_host[:, :n] = both
+            self._catch_up_dev[:, :n].copy_(self._catch_up_host[:, :n], non_blocking=True)
+            self._catch_up_read.record()
+            both = self._catch_up_dev[:, :n]
+        for i in range(0, n, chunk):
+            part = both[:, i:i + chunk]
+            self.drafter.store_context(self.tap_cache[part[0]], part[1], self.drafter_kv, part[0])
 
     def finish(self, launched: Launched) -> list[list[int]]:
         """Wait for a launched round and read it (the one sync of a step); returns the tokens each

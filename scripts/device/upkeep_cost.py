@@ -2,7 +2,8 @@
 time of the plain-decoding step graph without it, with the deferred store (the tapped features
 into the tap cache; what auto runs) and with the drafter's K/V stored every round (taps + the
 drafter's K/V projection; before the tap cache), per batch bucket, random weights of the
-SmolLM2-135M shape + a 4-layer drafter.
+SmolLM2-135M shape + a 4-layer drafter. Also the catch-up a speculative round runs after plain
+ones (host time to launch it, GPU time), by number of deferred tokens.
 
 python scripts/device/upkeep_cost.py --out $OUT/upkeep_cost.json
 """
@@ -10,7 +11,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
+import time
 
+import numpy as np
 import torch
 
 from ddtree import LLM
@@ -54,8 +58,31 @@ def main() -> None:
             print(f"n={bucket:3d} {sampling:6s} plain {ms['plain']:.3f} ms  deferred {ms['deferred']:.3f} ms "
                   f"(+{100 * rows[-1]['deferred_fraction']:.1f}%)  stored {ms['stored']:.3f} ms "
                   f"(+{100 * rows[-1]['stored_fraction']:.1f}%)", flush=True)
+    runner.tap_cache = tap_cache
+    catch_up = []
+    for seqs, steps in ((1, 1), (16, 4), (64, 1), (64, 32), (64, 84)):
+        # what the first speculative round after `steps` plain ones projects first
+        n = seqs * steps
+        slots = np.arange(n, dtype=np.int64)
+        positions = np.arange(n, dtype=np.int64) % 1024
+        host, gpu = [], []
+        for _ in range(args.reps // 5 + 1):
+            torch.cuda.synchronize()
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            t0 = time.perf_counter()
+            start.record()
+            runner.catch_up(slots, positions)
+            end.record()
+            host.append(time.perf_counter() - t0)
+            end.synchronize()
+            gpu.append(start.elapsed_time(end) / 1e3)
+        catch_up.append({"sequences": seqs, "plain_rounds": steps, "tokens": n,
+                         "host_ms": statistics.median(host[1:]) * 1e3, "gpu_ms": statistics.median(gpu[1:]) * 1e3})
+        print(f"catch-up of {n:5d} tokens: host {catch_up[-1]['host_ms']:.3f} ms, "
+              f"GPU {catch_up[-1]['gpu_ms']:.3f} ms", flush=True)
     with open(args.out, "w") as f:
-        json.dump({"gpu": torch.cuda.get_device_name(), "context": args.context, "rows": rows}, f, indent=1)
+        json.dump({"gpu": torch.cuda.get_device_name(), "context": args.context, "rows": rows,
+                   "catch_up": catch_up}, f, indent=1)
 
 
 if __name__ == "__main__":
