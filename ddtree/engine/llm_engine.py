@@ -10,8 +10,8 @@ import torch
 
 from ddtree.engine.auto_budget import AutoBudget, auto_candidates
 from ddtree.engine.block_manager import BlockManager
-from ddtree.engine.runner import (GRAPH_BUCKETS, METHODS, PREFILL_BUCKETS, PREFILL_SEQ_BUCKETS, Launched,
-                                  ModelRunner)
+from ddtree.engine.runner import (CATCH_UP_BUCKETS, GRAPH_BUCKETS, METHODS, PREFILL_BUCKETS,
+                                  PREFILL_SEQ_BUCKETS, Launched, ModelRunner)
 from ddtree.engine.sampling_params import SamplingParams
 from ddtree.engine.scheduler import Scheduler
 from ddtree.engine.sequence import Sequence, SequenceMetrics
@@ -220,11 +220,11 @@ class LLMEngine:
         if auto:
             method, budget = cand = self.auto.choose(len(seqs), fresh=after is None)
             self.step_choices[cand] += 1
-        graphs_before = len(self.runner.graphs)
+        graphs_before = self.runner.num_captured
         started = time.perf_counter()
         launched = self.runner.launch(seqs, method, budget, store_context=auto, after=after)
         launched.started, launched.by_auto = started, auto
-        launched.timed = len(self.runner.graphs) == graphs_before  # a capture is not a step's cost
+        launched.timed = self.runner.num_captured == graphs_before  # a capture is not a step's cost
         return launched
 
     def _launch_after(self, prev: Launched) -> Launched | None:
@@ -313,6 +313,9 @@ class LLMEngine:
             for seqs in up_to(PREFILL_SEQ_BUCKETS, self.config.max_num_seqs):
                 if seqs <= tokens:
                     self.runner.prefill_graph(tokens, seqs)
+        if self.runner.tap_cache is not None:  # the catch-ups of deferred drafter context
+            for tokens in CATCH_UP_BUCKETS:
+                self.runner.catch_up_graph(tokens)
         top = self.auto.bucket_of(self.config.max_num_seqs)
         for n in batch_sizes or [b for b in GRAPH_BUCKETS if b <= top]:
             bucket = self.auto.bucket_of(n)

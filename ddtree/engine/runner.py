@@ -34,6 +34,7 @@ STAGES = ("draft", "build", "verify", "accept", "commit", "context")
 GRAPH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
 PREFILL_BUCKETS = (16, 32, 64, 128, 256, 512, 1024, 2048)  # tokens of a captured prefill step
 PREFILL_SEQ_BUCKETS = (1, 4, 16, 64)  # sequences of a captured prefill step
+CATCH_UP_BUCKETS = (64, 256, 1024, 4096)  # deferred tokens of a captured catch-up (more: several)
 
 
 @dataclass
@@ -271,6 +272,36 @@ class PrefillGraph:
         torch.cuda.current_stream().synchronize()
 
 
+class CatchUpGraph:
+    """ModelRunner.store_deferred for up to ``tokens`` deferred positions, captured. Padding
+    rows project the scratch slot's taps into the scratch slot."""
+
+    def __init__(self, runner: "ModelRunner", tokens: int, pool):
+        self.tokens = tokens
+        self.pad_slot = runner.scratch[0] * runner.blocks.block_size
+        self.host = torch.zeros(2, tokens, dtype=torch.long).pin_memory()
+        self.ints = torch.zeros_like(self.host, device=runner.device)
+        self.uploaded = torch.cuda.Event()
+        self.host[0] = self.pad_slot
+        self.ints.copy_(self.host)
+        runner.store_deferred(self.ints[0], self.ints[1])  # warm up outside capture
+        torch.cuda.synchronize()
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph, pool=pool):
+            runner.store_deferred(self.ints[0], self.ints[1])
+        self.uploaded.record()
+
+    def run(self, slots: np.ndarray, positions: np.ndarray) -> None:
+        n = len(slots)
+        self.uploaded.synchronize()  # the previous run's upload has left the pinned buffer
+        h = self.host.numpy()
+        h[0, :n], h[1, :n] = slots, positions
+        h[0, n:], h[1, n:] = self.pad_slot, 0
+        self.ints.copy_(self.host, non_blocking=True)
+        self.uploaded.record()
+        self.graph.replay()
+
+
 def _then(first, second):
     def both():
         first()
@@ -327,8 +358,7 @@ class ModelRunner:
             self.tap_cache = torch.zeros(num_slots, len(self.taps) * target.config.hidden_size,
                                          device=device, dtype=dtype)
         self.caught_up_tokens = 0
-        self._catch_up_host = self._catch_up_dev = None  # upload buffers of catch_up
-        self._catch_up_read = torch.cuda.Event() if device.type == "cuda" else None
+        self.catch_up_graphs: dict[int, CatchUpGraph] = {}
         self.use_graphs = cuda_graphs and device.type == "cuda"
         self.graphs: dict[tuple[StepKind, int, bool], StepGraph] = {}
         self.prefill_graphs: dict[tuple[int, int], PrefillGraph] = {}  # (tokens, sequences)
@@ -501,27 +531,35 @@ class ModelRunner:
         if lo:
             self.catch_up(*position_slots(lo, hi, tables, self.blocks.block_size))
 
-    def catch_up(self, slots: np.ndarray, positions: np.ndarray, chunk: int = 8192) -> None:
+    def catch_up(self, slots: np.ndarray, positions: np.ndarray) -> None:
         """Project deferred positions' taps into the drafter's context, on the stream without a
-        sync: the launch of the next round runs behind an unread one, so its host time must stay
-        small (one upload through a kept pinned buffer, a few kernels per chunk)."""
+        sync. Under CUDA graphs a captured replay per bucket of tokens: the next round is launched
+        behind an unread one, and eagerly these dozen launches took ~1 ms of host time on the
+        H200 (longer than the plain round they ran behind), whatever the number of tokens."""
         n = len(slots)
         self.caught_up_tokens += n
-        both = torch.from_numpy(np.stack([slots, positions]))
-        if self.device.type == "cuda":
-            if self._catch_up_host is None or self._catch_up_host.shape[1] < n:
-                size = max(n, 2 * (0 if self._catch_up_host is None else self._catch_up_host.shape[1]), 4096)
-                self._catch_up_host = torch.empty(2, size, dtype=torch.long).pin_memory()
-                self._catch_up_dev = torch.empty(2, size, dtype=torch.long, device=self.device)
-            else:
-                self._catch_up_read.synchronize()  # the last upload has left the buffer (long since)
-            self._catch_up_host[:, :n] = both
-            self._catch_up_dev[:, :n].copy_(self._catch_up_host[:, :n], non_blocking=True)
-            self._catch_up_read.record()
-            both = self._catch_up_dev[:, :n]
-        for i in range(0, n, chunk):
-            part = both[:, i:i + chunk]
-            self.drafter.store_context(self.tap_cache[part[0]], part[1], self.drafter_kv, part[0])
+        if not self.use_graphs:
+            both = torch.from_numpy(np.stack([slots, positions])).to(self.device)
+            self.store_deferred(both[0], both[1])
+            return
+        top = CATCH_UP_BUCKETS[-1]
+        for i in range(0, n, top):
+            part = n - i if n - i < top else top
+            self.catch_up_graph(next(b for b in CATCH_UP_BUCKETS if b >= part)).run(
+                slots[i:i + part], positions[i:i + part])
+
+    def store_deferred(self, slots: torch.Tensor, positions: torch.Tensor) -> None:
+        self.drafter.store_context(self.tap_cache[slots], positions, self.drafter_kv, slots)
+
+    def catch_up_graph(self, tokens: int) -> "CatchUpGraph":
+        graph = self.catch_up_graphs.get(tokens)
+        if graph is None:
+            graph = self.catch_up_graphs[tokens] = CatchUpGraph(self, tokens, self.graph_pool)
+        return graph
+
+    @property
+    def num_captured(self) -> int:
+        return len(self.graphs) + len(self.prefill_graphs) + len(self.catch_up_graphs)
 
     def finish(self, launched: Launched) -> list[list[int]]:
         """Wait for a launched round and read it (the one sync of a step); returns the tokens each
