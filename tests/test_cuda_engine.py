@@ -94,7 +94,9 @@ def test_deferred_context_under_graphs_matches_storing_it(models):
     """Plain rounds under auto defer the drafter's context to the tap cache (captured), and a
     speculative round projects it first (eager, on the stream, between graph replays). Checked
     every few steps of scripted switches with overlapped rounds: the drafter's K/V of every
-    position below where the deferral starts equals an engine's that stores it every round."""
+    position below where the deferral starts equals an engine's that stores it every round.
+    Graphs are captured up front as the server does (catch-ups first): a catch-up captured in
+    the rounds' memory pool overwrote a round's outputs before the next round read them."""
     script = [("ar", 0)] * 3 + [("ddtree", 32), ("ar", 0), ("dflash", 0)] + [("ar", 0)] * 2 + [
         ("ddtree", 8), ("ddtree", 32), ("ar", 0), ("ddtree", 32)]
     engines = []
@@ -103,7 +105,9 @@ def test_deferred_context_under_graphs_matches_storing_it(models):
                   dtype=torch.float32, max_model_len=1024, max_num_seqs=8, kv_cache_gb=0.5, max_budget=32)
         engine = llm.engine
         assert engine.runner.tap_cache is not None
-        if not defer:
+        if defer:
+            engine.profile_auto(batch_sizes=[4])
+        else:
             engine.runner.tap_cache = None
         cycle = itertools.cycle(script)
         engine.auto.choose = lambda n, fresh=False, cycle=cycle: next(cycle)

@@ -363,6 +363,10 @@ class ModelRunner:
         self.graphs: dict[tuple[StepKind, int, bool], StepGraph] = {}
         self.prefill_graphs: dict[tuple[int, int], PrefillGraph] = {}  # (tokens, sequences)
         self.graph_pool = torch.cuda.graph_pool_handle() if self.use_graphs else None
+        # Catch-ups replay between a round and the next one, which reads the first's outputs: in
+        # the rounds' pool, a catch-up captured before them could reuse (and overwrite) the
+        # memory those outputs later got (seen on the H200: garbage roots).
+        self.catch_up_pool = torch.cuda.graph_pool_handle() if self.use_graphs else None
         self.profile_stages = False       # record a per-stage split of graph replays
         self.stage_seconds: dict[str, float] = defaultdict(float)
         self.decode_calls = 0
@@ -554,7 +558,7 @@ class ModelRunner:
     def catch_up_graph(self, tokens: int) -> "CatchUpGraph":
         graph = self.catch_up_graphs.get(tokens)
         if graph is None:
-            graph = self.catch_up_graphs[tokens] = CatchUpGraph(self, tokens, self.graph_pool)
+            graph = self.catch_up_graphs[tokens] = CatchUpGraph(self, tokens, self.catch_up_pool)
         return graph
 
     @property
