@@ -194,6 +194,13 @@ def test_fused_layer_kernels_match_torch():
     assert torch.allclose(r, x + res) and torch.allclose(y, norm(x + res), atol=1e-5)
     y, r = tl_ops.add_rms_norm(x, None, norm.weight, norm.eps)
     assert torch.equal(r, x) and torch.allclose(y, norm(x), atol=1e-5)
+    # the sum written into a column slice of a wider buffer (a tapped layer's output, in place)
+    for residual in (res, None):
+        taps = torch.zeros(T, 3 * hidden, device=DEVICE)
+        y, r = tl_ops.add_rms_norm(x, residual, norm.weight, norm.eps, taps[:, hidden:2 * hidden])
+        want = x + residual if residual is not None else x
+        assert r.data_ptr() == taps[:, hidden:].data_ptr() and torch.allclose(taps[:, hidden:2 * hidden], want)
+        assert torch.allclose(y, norm(want), atol=1e-5) and not taps[:, :hidden].any() and not taps[:, 2 * hidden:].any()
 
     mlp = MLP(hidden, 40).to(DEVICE)
     gate_up = torch.cat([mlp.gate_proj(x), mlp.up_proj(x)], 1)

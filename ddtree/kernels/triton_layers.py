@@ -30,11 +30,16 @@ def _add_rms_norm_kernel(X, R, W, Y, RO, stride_x, stride_r, stride_y, stride_ro
     tl.store(Y + row * stride_y + cols, (y.to(tl.float32) * w.to(tl.float32)).to(Y.dtype.element_ty), mask=m)
 
 
-def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float):
-    """(norm(x + residual), x + residual); residual None: (norm(x), x)."""
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float,
+                 out: torch.Tensor | None = None):
+    """(norm(x + residual), x + residual); residual None: (norm(x), x). ``out``: a [T, H] view
+    (rows may be strided) that receives x + residual."""
     x2 = x.reshape(-1, x.shape[-1])
     y = torch.empty_like(x2)
-    res_out = torch.empty_like(x2) if residual is not None else x2
+    if residual is None and out is not None:
+        out.copy_(x2)
+        x2 = out
+    res_out = x2 if residual is None else (torch.empty_like(x2) if out is None else out)
     r2 = residual.reshape(-1, x.shape[-1]) if residual is not None else x2
     _add_rms_norm_kernel[(x2.shape[0],)](
         x2, r2, weight, y, res_out, x2.stride(0), r2.stride(0), y.stride(0), res_out.stride(0),

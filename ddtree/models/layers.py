@@ -22,13 +22,17 @@ class RMSNorm(nn.Module):
         return self.weight * x.to(dtype)
 
 
-def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, norm: RMSNorm):
-    """(norm(x + residual), x + residual), the pre-norm residual step; residual None: (norm(x), x)."""
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, norm: RMSNorm,
+                 out: torch.Tensor | None = None):
+    """(norm(x + residual), x + residual), the pre-norm residual step; residual None: (norm(x), x).
+    ``out`` (a [T, H] view, possibly strided): where x + residual is written and returned."""
     if triton_enabled(x):
         from ddtree.kernels.triton_layers import add_rms_norm as fused
-        return fused(x, residual, norm.weight, norm.eps)
+        return fused(x, residual, norm.weight, norm.eps, out)
     if residual is not None:
         x = x + residual
+    if out is not None:
+        x = out.copy_(x)
     return norm(x), x
 
 
@@ -157,8 +161,9 @@ class ResidualBlock(nn.Module):
         self.input_layernorm = RMSNorm(hidden, eps)
         self.post_attention_layernorm = RMSNorm(hidden, eps)
 
-    def forward(self, x, residual, cos, sin, kv_cache, ctx):
-        h, residual = add_rms_norm(x, residual, self.input_layernorm)
+    def forward(self, x, residual, cos, sin, kv_cache, ctx, residual_out=None):
+        """``residual_out``: where the incoming stream (the previous layer's output) is written."""
+        h, residual = add_rms_norm(x, residual, self.input_layernorm, residual_out)
         h = self.self_attn(h, cos, sin, kv_cache, ctx)
         h, residual = add_rms_norm(h, residual, self.post_attention_layernorm)
         return self.mlp(h), residual
