@@ -201,6 +201,26 @@ def _emulated_step_graph(runner_mod):
     return Emulated
 
 
+def _emulated_catch_up_graph(runner_mod):
+    """CatchUpGraph whose captured graph is the eager store on its padded static buffer."""
+    class Emulated(runner_mod.CatchUpGraph):
+        def __init__(self, runner, tokens, pool):
+            self.tokens = tokens
+            self.pad_slot = runner.scratch[0] * runner.blocks.block_size
+            self.host = torch.zeros(2, tokens, dtype=torch.long)
+            self.ints = torch.zeros_like(self.host)
+            self.uploaded = _FakeEvent()
+            ints = self.ints
+
+            class Replay:
+                def replay(self):
+                    runner.store_deferred(ints[0], ints[1])
+
+            self.graph = Replay()
+
+    return Emulated
+
+
 @pytest.mark.parametrize("method,budget,batch", [("dflash", 0, (0, 5, 16)), ("ddtree", 12, (17,)),
                                                  ("ddtree", "auto", (16,)), ("ddtree", 12, (0, 5, 16))])
 def test_graph_path_bookkeeping_emulated(smol, tokenizer, prompts, ar_reference, method, budget, batch,
@@ -209,6 +229,7 @@ def test_graph_path_bookkeeping_emulated(smol, tokenizer, prompts, ar_reference,
     static-buffer inputs, overlapped rounds chained on the device; AR-exact outputs."""
     from ddtree.engine import runner as runner_mod
     monkeypatch.setattr(runner_mod, "StepGraph", _emulated_step_graph(runner_mod))
+    monkeypatch.setattr(runner_mod, "CatchUpGraph", _emulated_catch_up_graph(runner_mod))
     monkeypatch.setattr(runner_mod, "PREFILL_BUCKETS", ())
     monkeypatch.setattr(torch.cuda, "Event", _FakeEvent)
     llm = make_llm(smol, tokenizer, method=method, budget=budget, drafter=SHIPPED, overlap_steps=True,
@@ -218,3 +239,5 @@ def test_graph_path_bookkeeping_emulated(smol, tokenizer, prompts, ar_reference,
     _check_equal(chosen, llm.generate(chosen, GREEDY_64), ar_reference)
     assert llm.engine.runner.graphs
     assert llm.engine.overlapped_rounds > 5
+    if budget == "auto":  # auto tries plain rounds (deferred context), then padded catch-ups ran
+        assert llm.engine.runner.catch_up_graphs and llm.engine.runner.caught_up_tokens
