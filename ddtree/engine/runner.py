@@ -548,7 +548,7 @@ class ModelRunner:
             return
         top = CATCH_UP_BUCKETS[-1]
         for i in range(0, n, top):
-            part = n - i if n - i < top else top
+            part = min(n - i, top)
             self.catch_up_graph(next(b for b in CATCH_UP_BUCKETS if b >= part)).run(
                 slots[i:i + part], positions[i:i + part])
 

@@ -101,13 +101,11 @@ class DecoderLM(nn.Module):
         cos, sin = self.rotary.cos_sin(positions)
         H = x.shape[-1]
         tap_out = x.new_empty(x.shape[0], len(taps) * H) if taps else None
-
-        def tap(i):  # layer i's output (x + residual) is summed by the next norm: it writes here
-            return tap_out[:, taps.index(i) * H:(taps.index(i) + 1) * H] if i in taps else None
-
+        # Layer i's output (x + residual) is summed by the next norm, which writes it here.
+        tap = {layer: tap_out[:, k * H:(k + 1) * H] for k, layer in enumerate(taps)}
         for i, layer in enumerate(self.model.layers):
-            x, residual = layer(x, residual, cos, sin, kv_caches[i], ctx, tap(i - 1))
-        return add_rms_norm(x, residual, self.model.norm, tap(len(self.model.layers) - 1))[0], tap_out
+            x, residual = layer(x, residual, cos, sin, kv_caches[i], ctx, tap.get(i - 1))
+        return add_rms_norm(x, residual, self.model.norm, tap.get(len(self.model.layers) - 1))[0], tap_out
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """fp32 logits. On CUDA a bf16/fp16 GEMM accumulates into fp32 output directly: rounding
