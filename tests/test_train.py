@@ -9,7 +9,7 @@ from ddtree import LLM, SamplingParams
 from ddtree.models.dflash import DFlashDrafter
 from tiny import tiny_model
 from ddtree.train.trainer import (TrainConfig, drafter_train_logits_hidden, export_drafter, new_drafter,
-                                  target_taps, train_drafter)
+                                  next_token_probs, target_features, train_drafter)
 
 
 def tiny_target(vocab=32):
@@ -93,10 +93,66 @@ def test_training_forward_equals_inference_forward():
     with torch.no_grad():
         inference = llm.engine.runner.draft_for([s])[0]
         ids = torch.tensor([seq + [0, 0, 0]])
-        tapped = target_taps(target, ids, drafter.taps)
+        _, tapped = target_features(target, ids, drafter.taps)
         anchors = torch.tensor([[len(seq) - 1, 2]])  # a second block must not disturb the first
         embeds = target.embed(ids[:, anchors[0]])[:, :, None].expand(-1, -1, 4, -1).clone()
         embeds[:, :, 1:] = drafter.mask_embedding
         hidden = drafter_train_logits_hidden(drafter, tapped, embeds, anchors, torch.tensor([len(seq) + 3]))
         training = torch.log_softmax(target.logits(hidden[0, 0, 1:]), -1)
     assert torch.allclose(inference, training, atol=1e-5), float((inference - training).abs().max())
+
+
+def test_distillation_labels_are_the_targets_next_token_distribution():
+    """At label position p the soft label is the target's distribution for token p given tokens
+    < p: the last position of a forward over the prefix alone, whatever follows it or pads the
+    batch."""
+    target = tiny_target()
+    gen = torch.Generator().manual_seed(3)
+    ids = torch.randint(32, (2, 12), generator=gen)
+    ids[1, 9:] = 0  # the second row is 9 tokens long, right-padded
+    hidden, _ = target_features(target, ids, (1,))
+    label_pos = torch.tensor([[3, 7, 11], [1, 5, 8]])
+    probs = next_token_probs(target, hidden, label_pos)
+    assert probs.shape == (2, 3, 32)
+    for b in range(2):
+        for j, pos in enumerate(label_pos[b].tolist()):
+            prefix, _ = target_features(target, ids[b:b + 1, :pos], (1,))
+            expected = torch.softmax(target.logits(prefix[0, -1]), -1)
+            assert torch.allclose(probs[b, j], expected, atol=1e-6), (b, pos)
+
+
+def test_distillation_lowers_the_kl_to_the_target(tmp_path):
+    """distill=1 trains towards the target's distribution (here not the counting labels, which
+    plain cross-entropy follows away from it); two response files are read as one set."""
+    target = tiny_target()
+    write_sequences(tmp_path / "a.pt", n=32)
+    write_sequences(tmp_path / "b.pt", n=32)
+    kl = {}
+    for distill in (1.0, 1e-4):  # the second barely weighs the target's distribution
+        cfg = TrainConfig(num_layers=1, num_taps=2, block_size=4, steps=60, batch_size=8, anchors=8,
+                          max_len=64, lr=1e-2, distill=distill)
+        train_drafter(target, [tmp_path / "a.pt", tmp_path / "b.pt"], tmp_path / f"run{distill}", cfg, log_every=10)
+        log = [json.loads(line) for line in (tmp_path / f"run{distill}" / "train_log.jsonl").read_text().splitlines()]
+        assert {"ce", "kl"} <= log[0].keys()
+        kl[distill] = (log[0]["kl"], log[-1]["kl"])
+    assert kl[1.0][1] < 0.75 * kl[1.0][0], kl
+    assert kl[1e-4][1] > 1.5 * kl[1.0][1], kl
+    with pytest.raises(ValueError, match="distill"):
+        train_drafter(target, tmp_path / "a.pt", tmp_path / "bad", TrainConfig(distill=1.5), max_minutes=0)
+
+
+def test_generation_passes_are_seeded(tmp_path, smol_dir):
+    """A second sampling pass over the same prompts with another seed gives other responses; the
+    same seed gives the same ones (so a pass can be rerun)."""
+    from ddtree.train.generate import generate_responses
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("\n".join(json.dumps({"messages": [{"role": "user", "content": text}]})
+                                 for text in ("Name a colour.", "Count to three.")))
+    runs = {}
+    for name, seed in (("a", 1), ("b", 1), ("c", 2)):
+        stats = generate_responses(prompts, tmp_path / f"{name}.pt", target=smol_dir, max_new_tokens=6,
+                                   temperatures=(1.0,), seed=seed, device="cpu", kv_cache_gb=0.05, max_num_seqs=2)
+        assert stats["sequences"] == 2
+        runs[name] = torch.load(tmp_path / f"{name}.pt")["tokens"]
+    assert torch.equal(runs["a"], runs["b"])
+    assert not torch.equal(runs["a"], runs["c"])

@@ -22,10 +22,14 @@ def add_parser(sub) -> None:
     s.add_argument("--max-num-seqs", type=int, default=512)
     s.add_argument("--kv-cache-gb", type=float, default=16.0)
     s.add_argument("--max-minutes", type=float, default=None)
+    s.add_argument("--temperatures", default="0,1",
+                   help="comma list, taken in turn across prompts (a second pass with '1' and another "
+                        "--seed gives other responses to the same prompts)")
+    s.add_argument("--seed", type=int, default=None, help="seed of the sampling (torch.manual_seed)")
     s.set_defaults(func=_generate)
 
     s = stages.add_parser("train", help="train (or resume) the drafter")
-    s.add_argument("--data", required=True)
+    s.add_argument("--data", required=True, nargs="+", help="responses file(s), concatenated")
     s.add_argument("--run-dir", required=True)
     s.add_argument("--target", default=None)
     s.add_argument("--device", default=None)
@@ -38,6 +42,9 @@ def add_parser(sub) -> None:
     s.add_argument("--max-len", type=int, default=640)
     s.add_argument("--lr", type=float, default=6e-4)
     s.add_argument("--seed", type=int, default=0)
+    s.add_argument("--distill", type=float, default=0.0,
+                   help="weight of the target's next-token distribution as the label (1 - this on the "
+                        "sampled token)")
     s.add_argument("--init", default=None, help="continue from this exported drafter folder (fresh optimizer)")
     s.add_argument("--max-minutes", type=float, default=None, help="stop and checkpoint after this long")
     s.set_defaults(func=_train)
@@ -54,9 +61,20 @@ def _generate(args) -> int:
     stats = generate_responses(args.prompts, args.out, target=args.target, max_new_tokens=args.max_new_tokens,
                                chunk=args.chunk, max_prompts=args.max_prompts, device=args.device,
                                dtype=args.dtype, max_num_seqs=args.max_num_seqs, kv_cache_gb=args.kv_cache_gb,
-                               max_seconds=args.max_minutes * 60 if args.max_minutes else None)
+                               max_seconds=args.max_minutes * 60 if args.max_minutes else None,
+                               temperatures=_temperatures(args.temperatures), seed=args.seed)
     print(json.dumps(stats))
     return 0
+
+
+def _temperatures(text: str) -> tuple[float, ...]:
+    try:
+        temps = tuple(float(t) for t in text.split(","))
+    except ValueError:
+        raise SystemExit(f"--temperatures {text!r}: expected a comma list of numbers, e.g. 0,1") from None
+    if not temps or any(t < 0 for t in temps):
+        raise SystemExit(f"--temperatures {text!r}: temperatures must be >= 0")
+    return temps
 
 
 def _train(args) -> int:
@@ -70,7 +88,7 @@ def _train(args) -> int:
                          dtype=torch.bfloat16 if device.type == "cuda" else torch.float32)
     cfg = TrainConfig(num_layers=args.layers, num_taps=args.taps, block_size=args.block_size, steps=args.steps,
                       batch_size=args.batch_size, anchors=args.anchors, max_len=args.max_len, lr=args.lr,
-                      seed=args.seed, init=args.init)
+                      seed=args.seed, init=args.init, distill=args.distill)
     print(json.dumps(train_drafter(target, args.data, args.run_dir, cfg, max_minutes=args.max_minutes)))
     return 0
 

@@ -26,8 +26,9 @@ def load_sequences(path: Path) -> dict:
 def generate_responses(prompts_path: str | Path, out_path: str | Path, target=None, max_new_tokens: int = 256,
                        chunk: int = 1024, max_prompts: int | None = None, temperatures=(0.0, 1.0),
                        max_seconds: float | None = None, device=None, dtype=None, max_num_seqs: int = 512,
-                       kv_cache_gb: float = 16.0) -> dict:
-    """Generate responses for the prompts; alternate ``temperatures`` across prompts."""
+                       kv_cache_gb: float = 16.0, seed: int | None = None) -> dict:
+    """Generate responses for the prompts; alternate ``temperatures`` across prompts. ``seed``
+    seeds the sampling, so passes with other seeds give other responses to the same prompts."""
     prompts = [json.loads(line) for line in Path(prompts_path).read_text().split("\n") if line.strip()]
     if max_prompts is not None:
         prompts = prompts[:max_prompts]
@@ -35,6 +36,8 @@ def generate_responses(prompts_path: str | Path, out_path: str | Path, target=No
     data = load_sequences(out_path)
     llm = LLM(target=target, method="ar", device=device, dtype=dtype, max_model_len=1024,
               max_num_seqs=max_num_seqs, max_num_batched_tokens=16384, kv_cache_gb=kv_cache_gb)
+    if seed is not None:
+        torch.manual_seed(seed + data["done"])  # a resumed pass does not repeat its draws
     start = time.perf_counter()
     bar = tqdm(total=len(prompts), initial=data["done"], desc="responses")
     while data["done"] < len(prompts):

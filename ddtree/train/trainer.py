@@ -4,7 +4,13 @@ For each sequence the frozen target gives the tapped hidden states of every posi
 anchors start blocks ``[anchor_token, mask x (S-1)]``; block j sees context keys strictly before
 its anchor and every position of its own block (blocks never see each other); cross-entropy on
 offsets 1..S-1 weighted exp(-(k-1)/gamma). Embedding and LM head are the target's, frozen.
-AdamW + warmup/cosine, grad clip 1.0, checkpoint/resume by time limit."""
+AdamW + warmup/cosine, grad clip 1.0, checkpoint/resume by time limit.
+
+``distill`` > 0 mixes in the target's own next-token distribution at each labelled position
+(cross-entropy against it: forward KL up to the target's entropy), which the target's forward
+over the sequence already gives for one LM-head product. A sampled label is one draw of that
+distribution; the whole of it says how much each alternative is worth, which is what a tree
+built from the drafter's probabilities and sampled verification both use."""
 from __future__ import annotations
 
 import json
@@ -39,6 +45,7 @@ class TrainConfig:
     gamma: float | None = None     # position-weight decay; None = 7 * block_size / 16
     seed: int = 0
     init: str | None = None        # start from this exported drafter (its shape wins over the fields above)
+    distill: float = 0.0           # weight of the target-distribution term (1 - distill on the sampled token)
 
 
 def new_drafter(target: DecoderLM, cfg: TrainConfig) -> DFlashDrafter:
@@ -66,8 +73,9 @@ def new_drafter(target: DecoderLM, cfg: TrainConfig) -> DFlashDrafter:
 
 
 @torch.no_grad()
-def target_taps(target: DecoderLM, ids: torch.Tensor, taps: tuple[int, ...]) -> torch.Tensor:
-    """ids [B, L] (right-padded; padding never influences earlier positions) -> [B, L, K*H]."""
+def target_features(target: DecoderLM, ids: torch.Tensor, taps: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+    """ids [B, L] (right-padded; padding never influences earlier positions) -> the final-normed
+    hidden [B, L, H] and the tapped layer outputs [B, L, K*H]."""
     B, L = ids.shape
     layers, heads, dim = target.kv_shape()
     w = target.lm_head.weight
@@ -76,8 +84,19 @@ def target_taps(target: DecoderLM, ids: torch.Tensor, taps: tuple[int, ...]) -> 
     ctx = AttentionContext.contiguous([L] * B, device=w.device)
     positions = torch.arange(L, device=w.device).repeat(B)
     with torch.autocast(w.device.type, enabled=False):  # the target runs in its own dtype (its KV cache's)
-        _, tapped = target(ids.reshape(-1), positions, kv, ctx, taps)
-    return tapped.view(B, L, -1)
+        hidden, tapped = target(ids.reshape(-1), positions, kv, ctx, taps)
+    return hidden.view(B, L, -1), tapped.view(B, L, -1)
+
+
+@torch.no_grad()
+def next_token_probs(target: DecoderLM, hidden: torch.Tensor, label_pos: torch.Tensor) -> torch.Tensor:
+    """The target's distribution for the token at each of ``label_pos`` [B, ...] (it comes from
+    the position before): hidden [B, L, H] -> fp32 probabilities [B, ..., V]."""
+    B, L, H = hidden.shape
+    before = (label_pos - 1).clamp(0, L - 1).reshape(B, -1, 1).expand(-1, -1, H)
+    with torch.autocast(hidden.device.type, enabled=False):
+        logits = target.logits(torch.gather(hidden, 1, before))
+    return torch.softmax(logits, -1).view(*label_pos.shape, -1)
 
 
 def drafter_train_logits_hidden(drafter: DFlashDrafter, taps: torch.Tensor, block_embeds: torch.Tensor,
@@ -117,17 +136,24 @@ def drafter_train_logits_hidden(drafter: DFlashDrafter, taps: torch.Tensor, bloc
 
 
 class SequenceData:
-    """Token sequences from stage 2 (``responses.pt``)."""
+    """Token sequences from stage 2 (``responses.pt``; several files are concatenated, e.g. more
+    responses to the same prompts from another sampling pass)."""
 
-    def __init__(self, path: str | Path, max_len: int):
-        data = torch.load(path)
-        self.tokens, self.offsets, self.prompt_lens = data["tokens"].long(), data["offsets"], data["prompt_lens"]
+    def __init__(self, paths, max_len: int):
+        paths = [paths] if isinstance(paths, (str, Path)) else list(paths)
+        tokens, self.offsets, self.prompt_lens = [], [0], []
+        for path in paths:
+            data = torch.load(path)
+            tokens.append(data["tokens"].long())
+            self.offsets += [self.offsets[-1] + o for o in data["offsets"][1:]]
+            self.prompt_lens += list(data["prompt_lens"])
+        self.tokens = torch.cat(tokens)
         self.max_len = max_len
         # Keep sequences with at least a few response tokens.
         self.index = [i for i in range(len(self.prompt_lens))
                       if self.offsets[i + 1] - self.offsets[i] - self.prompt_lens[i] >= 4]
         if not self.index:
-            raise ValueError(f"{path}: no sequences with responses")
+            raise ValueError(f"{', '.join(map(str, paths))}: no sequences with responses")
 
     def __len__(self) -> int:
         return len(self.index)
@@ -158,9 +184,11 @@ def sample_anchors(lengths, starts, n, gen) -> torch.Tensor:
     return starts[:, None] + (u * span[:, None]).long()
 
 
-def train_drafter(target: DecoderLM, data_path: str | Path, out_dir: str | Path, cfg: TrainConfig,
+def train_drafter(target: DecoderLM, data_path, out_dir: str | Path, cfg: TrainConfig,
                   max_minutes: float | None = None, log_every: int = 20) -> dict:
     """Train (or resume) a drafter; checkpoint in ``out_dir/checkpoint.pt``, log in ``train_log.jsonl``."""
+    if not 0 <= cfg.distill <= 1:
+        raise ValueError(f"distill must be in [0, 1], got {cfg.distill}")
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     device = target.lm_head.weight.device
@@ -221,15 +249,24 @@ def train_drafter(target: DecoderLM, data_path: str | Path, out_dir: str | Path,
         valid = label_pos < lengths[:, None, None]
         labels = torch.gather(ids, 1, label_pos.clamp(max=L - 1).reshape(B, -1)).view_as(label_pos)
         with torch.autocast(**amp):
-            tapped = target_taps(target, ids, taps)
+            target_hidden, tapped = target_features(target, ids, taps)
             block_embeds = embed(torch.gather(ids, 1, anchors))[:, :, None, :].expand(-1, -1, S, -1).clone()
             block_embeds[:, :, 1:] = drafter.mask_embedding.to(block_embeds.dtype)
             hidden = drafter_train_logits_hidden(drafter, tapped, block_embeds, anchors, lengths)
             logits = F.linear(hidden[:, :, 1:], lm_head_w)                         # [B, n, S-1, V]
-        ce = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1),
-                             reduction="none").view_as(labels)
+        logq = torch.log_softmax(logits.float(), -1)
+        ce = -torch.gather(logq, -1, labels[..., None])[..., 0]
         w = weights * valid
-        loss = (ce * w).sum() / w.sum()
+        per_pos, extra = ce, {}
+        if cfg.distill > 0:
+            p = next_token_probs(target, target_hidden, label_pos)
+            soft = -(p * logq).sum(-1)
+            per_pos = (1 - cfg.distill) * ce + cfg.distill * soft
+            with torch.no_grad():  # logged apart: the sampled token's cross-entropy, and the KL
+                extra = {"ce": (ce * w).sum() / w.sum(),
+                         "kl": ((soft + (p * p.clamp_min(1e-30).log()).sum(-1)) * w).sum() / w.sum()}
+            del p, soft
+        loss = (per_pos * w).sum() / w.sum()
         opt.zero_grad(set_to_none=True)
         loss.backward()
         gnorm = torch.nn.utils.clip_grad_norm_(drafter.parameters(), cfg.grad_clip)
@@ -242,6 +279,7 @@ def train_drafter(target: DecoderLM, data_path: str | Path, out_dir: str | Path,
                 acc = ((logits.argmax(-1) == labels) & valid).float().sum((0, 1)) / valid.float().sum((0, 1))
             last = {"step": step, "loss": float(loss.detach()), "grad_norm": float(gnorm), "lr": sched.get_last_lr()[0],
                     "acc_by_depth": [round(float(a), 4) for a in acc],
+                    **{k: round(float(v), 4) for k, v in extra.items()},
                     "minutes": round((elapsed + time.perf_counter() - start) / 60, 2)}
             log.write(json.dumps(last) + "\n")
             log.flush()
