@@ -211,20 +211,34 @@ def test_deferred_context_drafts_like_storing_it_every_round(smol, tokenizer, pr
     script = [("ar", 0)] * 3 + [("ddtree", 16), ("ar", 0), ("dflash", 0)] + [("ar", 0)] * 2 + [
         ("ddtree", 8), ("ddtree", 16), ("ar", 0), ("ddtree", 16)]
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (48, 30, 64, 41)]
+    _deferred_like_stored(smol, tokenizer, prompts[:4], params, script, min_overlapped=20)
+
+
+def test_deferred_prompt_context_drafts_like_storing_it(smol, tokenizer, prompts):
+    """The prefill under auto keeps the prompt's taps only: a tree right after the prefill
+    projects the whole prompt first (the two-chunk prefill of a long prompt included)."""
+    script = [("ddtree", 16), ("ar", 0), ("ddtree", 8), ("ar", 0), ("ar", 0)]
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (20, 33)]
+    long_prompt = (prompts[0] * 8)[:300]  # over max_num_batched_tokens=256: prefilled in two chunks
+    _deferred_like_stored(smol, tokenizer, [prompts[1], long_prompt], params, script, min_overlapped=5,
+                          max_num_batched_tokens=256)
+
+
+def _deferred_like_stored(smol, tokenizer, prompts, params, script, min_overlapped, **engine):
     runs = {}
     for defer in (True, False):
         llm = make_llm(smol, tokenizer, method="ddtree", budget="auto", drafter=SHIPPED, max_budget=16,
-                       overlap_steps=True)
+                       overlap_steps=True, **engine)
         runner = llm.engine.runner
         assert runner.tap_cache is not None  # budget="auto" defers by default
         if not defer:
-            runner.tap_cache = None  # store the drafter's K/V in every plain round instead
+            runner.tap_cache = None  # store the drafter's K/V at the prefill and every plain round instead
         cycle = itertools.cycle(script)
         llm.engine.auto.choose = lambda n, fresh=False: next(cycle)
-        outs = llm.generate(prompts[:4], params)
+        outs = llm.generate(prompts, params)
         runs[defer] = [(o.token_ids, o.metrics.accepted_lengths) for o in outs]
-        if defer:
-            assert runner.caught_up_tokens > 50 and llm.engine.overlapped_rounds > 20
+        if defer:  # the prompts were caught up too
+            assert runner.caught_up_tokens > sum(map(len, prompts)) and llm.engine.overlapped_rounds > min_overlapped
     assert runs[True] == runs[False]
     lens = [n for _, accepted in runs[True] for n in accepted]
     assert max(lens) > 3  # drafts were accepted, so they depended on the context

@@ -47,9 +47,9 @@ class Sequence:
         self.status = Status.WAITING
         self.num_cached = 0
         self.block_table: list[int] = []
-        # First position whose drafter context is only in the runner's tap cache (plain-decoding
-        # rounds under budget="auto" defer it); None: none is; CONTEXT_PENDING: the position of the
-        # round launched behind an unread one, set when that one is read.
+        # First position whose drafter context is only in the runner's tap cache (the prefill and
+        # plain-decoding rounds under budget="auto" defer it); None: none is; CONTEXT_PENDING: the
+        # position of the round launched behind an unread one, set when that one is read.
         self.context_from: int | None = None
         self.finish_reason: str | None = None
         self.error: str | None = None
