@@ -66,14 +66,20 @@ def test_a_stall_does_not_freeze_out_the_best_candidate():
 
 
 def test_costs_are_the_startup_curve_plus_measured_host_overhead():
+    """Until a candidate has steps of its own, its cost is the start-up curve plus the host
+    overhead measured on other rounds of its class: speculative rounds share theirs, plain
+    decoding keeps its own."""
     controller = AutoBudget(auto_candidates(16, True), bucket_of=lambda n: n)
     controller.prior = {(1, c): 1.0 + i / 10 for i, c in enumerate(controller.candidates)}
+    chain, tree, plain = ("dflash", 0), ("ddtree", 16), ("ar", 0)
     for _ in range(5):
-        controller.observe(1, ("ar", 0), 1.25, 1.0)  # 0.25 of host work per step
-    tree = ("ddtree", 16)
+        controller.observe(1, chain, controller.prior[(1, chain)] + 0.25, 1.5)  # 0.25 of host work per step
     assert abs(controller.step_cost(1, tree) - (controller.prior[(1, tree)] + 0.25)) < 1e-9
     controller.observe(1, tree, 40.0, 2.0)  # a stall in one tree step
     assert abs(controller.step_cost(1, tree) - (controller.prior[(1, tree)] + 0.25)) < 1e-9
+    assert controller.step_cost(1, plain) == controller.prior[(1, plain)]  # none of its class yet
+    controller.observe(1, plain, controller.prior[(1, plain)] + 0.1, 1.0)
+    assert abs(controller.step_cost(1, plain) - (controller.prior[(1, plain)] + 0.1)) < 1e-9
 
 
 def test_overlapped_and_fresh_rounds_are_costed_apart():
@@ -92,6 +98,29 @@ def test_overlapped_and_fresh_rounds_are_costed_apart():
         controller.observe(64, cand, cost[(cand, fresh)], 1.0 if cand == ("ar", 0) else 2.2, fresh)
         if i > 50:
             assert cand == (("ddtree", 8) if fresh else ("ar", 0)), (i, fresh, cand)
+
+
+def test_plain_rounds_do_not_borrow_speculative_overhead():
+    """H200 trace at concurrency 64: the tree's first rounds were fresh ones, whose overhead
+    (wall - start-up curve) includes catching up deferred drafter context; plain decoding's
+    first rounds were overlapped. Priced with the tree's fresh overhead, plain decoding looked
+    slower than the tree in fresh rounds and was never tried there. Each class keeps its own
+    overhead, so plain decoding is tried fresh, measured, and wins those rounds too."""
+    controller = AutoBudget([("ar", 0), ("ddtree", 8)], bucket_of=lambda n: n, explore_every=10**9)
+    controller.prior = {(64, ("ar", 0)): 1.17, (64, ("ddtree", 8)): 3.3}
+    real = {(("ar", 0), False): 1.2, (("ar", 0), True): 1.5,       # overhead 0.03 / 0.33
+            (("ddtree", 8), False): 3.4, (("ddtree", 8), True): 3.95}  # overhead 0.1 / 0.65
+    tau = {("ar", 0): 1.0, ("ddtree", 8): 2.4}  # fresh: 1 / 1.5 = 0.67 beats 2.4 / 3.95 = 0.61
+    for cand, fresh in [(("ar", 0), False)] * 4 + [(("ddtree", 8), True)] * 4:  # the warm-up's mix
+        controller.observe(64, cand, real[(cand, fresh)], tau[cand], fresh)
+    chosen = []
+    for i in range(200):
+        fresh = i % 4 == 0
+        cand = controller.choose(64, fresh)
+        controller.observe(64, cand, real[(cand, fresh)], tau[cand], fresh)
+        chosen.append((fresh, cand))
+    assert all(c == ("ar", 0) for fresh, c in chosen[40:]), [x for x in chosen[40:] if x[1] != ("ar", 0)][:5]
+    assert controller.step_cost(64, ("ar", 0), fresh=True) == 1.5  # its own rounds' median
 
 
 def test_own_step_times_replace_a_wrong_startup_curve():

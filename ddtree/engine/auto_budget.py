@@ -7,7 +7,13 @@ candidate with the largest tau(c) / cost(n, c):
 - cost: the median wall time of the candidate's recent steps at this batch bucket once it has
   ``min_tries`` of them (a median shrugs off a stall). Before that, on CUDA, a curve per batch
   bucket measured at start-up (replaying each captured step graph on padding rows) plus the
-  bucket's host overhead (median of wall - graph time over recent real steps of any candidate).
+  bucket's host overhead (median of wall - graph time over recent real steps; plain rounds and
+  speculative rounds apart: a speculative round's overhead carries the catch-up of deferred
+  drafter context and the tree's inputs, and borrowed by plain decoding it priced plain fresh
+  rounds at 1.8-1.9 ms against 1.5 ms measured at concurrency 64 in an H200 trace. Never tried
+  fresh there, plain decoding lost every fresh round to an 8-node tree, 6 % slower per token.
+  Without samples of its own class a candidate gets no overhead: an estimate too low is
+  corrected by the rounds it wins, one too high never is).
   With the curve alone, auto ran 11% of its steps on the chain at c=16 in the H200 grid, where
   the chain measured 0.65x the speed of plain decoding.
   Costs are kept apart for rounds launched behind an unread one (overlapped: the host's work is
@@ -79,7 +85,8 @@ class AutoBudget:
         # recent wall times per (bucket, candidate, fresh)
         self.samples: dict[tuple[int, tuple[str, int], bool], deque] = {}
         self.prior: dict[tuple[int, tuple[str, int]], float] = {}    # start-up profile
-        self.overhead_samples: dict[tuple[int, bool], deque] = {}    # wall - prior, per (bucket, fresh)
+        # wall - prior, per (bucket, fresh, plain decoding or not)
+        self.overhead_samples: dict[tuple[int, bool, bool], deque] = {}
         self.tries: dict[tuple[str, int], int] = {}  # plain decoding too: its cost is measured
         self.min_tries = min_tries
         # Speculation must beat plain decoding's rate by this fraction to be chosen over it.
@@ -95,7 +102,7 @@ class AutoBudget:
         if own is not None and len(own) >= self.min_tries:
             return statistics.median(own)
         if (bucket, cand) in self.prior:
-            over = self.overhead_samples.get((bucket, fresh))
+            over = self.overhead_samples.get((bucket, fresh, cand == ("ar", 0)))
             return self.prior[(bucket, cand)] + (statistics.median(over) if over else 0.0)
         few = own or self.samples.get((bucket, cand, not fresh))
         return statistics.median(few) if few else None
@@ -145,7 +152,7 @@ class AutoBudget:
             return
         self.samples.setdefault((bucket, cand, fresh), deque(maxlen=self.WINDOW)).append(seconds)
         if (bucket, cand) in self.prior:
-            self.overhead_samples.setdefault((bucket, fresh), deque(maxlen=self.WINDOW)).append(
+            self.overhead_samples.setdefault((bucket, fresh, cand == ("ar", 0)), deque(maxlen=self.WINDOW)).append(
                 max(0.0, seconds - self.prior[(bucket, cand)]))
 
     def observe_tau(self, cand, tokens_per_seq: float) -> None:

@@ -423,8 +423,7 @@ class ModelRunner:
         """Prompt tokens' tapped features: under budget="auto" (a tap cache) only kept, to be
         projected into the drafter's context by the sequence's first speculative round if one
         comes (at concurrency 64 in the H200 grid auto ran 95-99 % of full-batch rounds as plain
-        decoding, and projecting every prompt at its prefill slowed plain decoding under auto by
-        ~2 %); else projected now."""
+        decoding: most prompts never need it); else projected now."""
         if self.tap_cache is not None:
             self.tap_cache[slots] = taps
         elif self.drafter_kv is not None:
