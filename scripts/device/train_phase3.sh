@@ -3,10 +3,11 @@
 # the same 19,166 prompts (greedy for every prompt, and a seeded T=1 sample for every prompt:
 # phase 2 had one response per prompt, greedy or sampled in turn) with half of each label being
 # the target's whole next-token distribution (--distill 0.5). Back-to-back device calls while the
-# machine stays warm. Before: four calls that stage gguf.q00..q03 (the GGUF in 5 parts: with the
-# tracked tree at 41 MiB a 25 MB part no longer fits a call's 64 MiB), the gguf wheel and
-# .stage/train_prompts.jsonl.gz (gunzip'ed) in /tmp/stage (see stage_and_run.md).
-#   bash scripts/device/train_phase3.sh start    # carry .stage/gguf.q04: join GGUF, two passes, train
+# machine stays warm. Before: calls that stage all but the last part of the GGUF, the gguf wheel
+# and .stage/train_prompts.jsonl.gz (gunzip'ed) in /tmp/stage (see stage_and_run.md; the run on
+# 2026-12-01 used 5 parts, gguf.q00..q04; with the tracked tree at ~46 MiB now it takes the 7
+# parts gguf.r00..r06).
+#   bash scripts/device/train_phase3.sh start    # carry .stage/gguf.r06: join GGUF, two passes, train
 #   bash scripts/device/train_phase3.sh finish   # carry .stage/eval_prompts.json: train to the end,
 #                                                # export (split for $OUT), tau of old and new drafter
 #   bash scripts/device/train_phase3.sh measure  # carry .stage/eval_prompts.json: the grid with the
@@ -25,8 +26,8 @@ gen() {  # out, temperatures, seed
 }
 case "$1" in
 start)
-  cp .stage/gguf.q04 /tmp/stage/
-  cat /tmp/stage/gguf.q0* > $G
+  cp .stage/gguf.r06 /tmp/stage/
+  cat /tmp/stage/gguf.r0* > $G
   md5sum $G
   gen /tmp/resp_greedy.pt 0 0 | tee $OUT/responses_greedy.json
   gen /tmp/resp_t1.pt 1 1 | tee $OUT/responses_t1.json
