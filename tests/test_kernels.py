@@ -286,6 +286,32 @@ def test_triton_topk_matches_topk_per_depth(k, vocab, chunk, use_tl_topk):
     assert torch.equal(got[0].cpu(), want[0])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@needs_kernels
+def test_triton_kv_compaction_matches_torch(dtype):
+    """The fused compaction moves exactly what the torch plan moves, including chains of moves
+    where one move's destination is a later move's source, and leaves every other slot alone."""
+    from ddtree.kernels.triton_tree import compact_kv_triton
+    from ddtree.tree import compaction_moves, gather_rows
+    gen = torch.Generator().manual_seed(0)
+    N, T, L, slots_total = 5, 12, 6, 90
+    kv = torch.randn(3, 2, slots_total, 2, 12, generator=gen).to(dtype)  # row of 24: padded lanes
+    slots = torch.randperm(slots_total, generator=gen)[:N * T].view(N, T)  # sequences own their slots
+    paths = [[0, 2, 3, 4, 5, 6], [0, 1, 2, 3, 4, 5], [0, 3, 7, 9, 11, 0], [0, 5, 6, 0, 0, 0],
+             [0, 1, 4, 8, 10, 11]]
+    path = torch.tensor(paths)
+    num_accepted = torch.tensor([6, 6, 5, 3, 1])
+    src_off, dst_off, move = compaction_moves(path, num_accepted)
+    dst = gather_rows(slots, dst_off)
+    src = torch.where(move, gather_rows(slots, src_off), dst).reshape(-1)
+    want = kv.clone()
+    want[:, :, dst.reshape(-1)] = want[:, :, src]
+    got = kv.clone().to(DEVICE)
+    compact_kv_triton(got, path.to(DEVICE), num_accepted.to(DEVICE), slots.to(DEVICE))
+    assert torch.equal(got.cpu(), want)
+    assert not torch.equal(want, kv)  # the case moves something
+
+
 @pytest.mark.skipif(CUDA or INTERPRETED, reason="CPU only: the kernels run directly on CUDA")
 def test_kernels_under_triton_interpreter():
     """Every kernel test above, in Triton's interpreter, in a fresh process."""

@@ -712,9 +712,12 @@ class ModelRunner:
         path, num_accepted, bonus = accepted
         if kind.method == "ar":  # the root is already in place
             return (tree.tokens, num_accepted, bonus), slots
-        src_off, dst_off, move = compaction_moves(path, num_accepted)
-        dst = gather_rows(slots, dst_off)
-        if kind.method == "ddtree":  # a chain's accepted nodes are already in chain order
+        dst = slots[:, :path.shape[1]]  # accepted node k ends at the tree's k-th slot
+        if kind.method == "ddtree" and triton_enabled(self.target_kv):
+            from ddtree.kernels.triton_tree import compact_kv_triton
+            compact_kv_triton(self.target_kv, path, num_accepted, slots)
+        elif kind.method == "ddtree":  # a chain's accepted nodes are already in chain order
+            src_off, _, move = compaction_moves(path, num_accepted)
             src = torch.where(move, gather_rows(slots, src_off), dst).reshape(-1)
             self.target_kv[:, :, dst.reshape(-1)] = self.target_kv[:, :, src]
         return (gather_rows(tree.tokens, path), num_accepted, bonus), dst

@@ -262,3 +262,37 @@ def build_tree_triton(logprobs: torch.Tensor, budget: int, roots: torch.Tensor,
         MAX_DEPTH=min(D, n_nodes),
         num_warps=num_warps or (4 if total_p2 <= 1024 else 8))
     return (*out, mask)
+
+
+@triton.jit
+def _compact_kv_kernel(KV, PATH, NUM_ACC, SLOTS, plane_stride, stride_path, stride_slots,
+                       L: tl.constexpr, L_P2: tl.constexpr, ROW: tl.constexpr, ROW_P2: tl.constexpr):
+    """One (sequence, layer-K/V plane): accepted node k moves from slot slots[path[k]] to slots[k]."""
+    n = tl.program_id(0).to(tl.int64)
+    plane = KV + tl.program_id(1).to(tl.int64) * plane_stride
+    k = tl.arange(0, L_P2)
+    p = tl.load(PATH + n * stride_path + k, mask=k < L, other=0)
+    move = (k < L) & (k < tl.load(NUM_ACC + n)) & (p != k)
+    src = tl.load(SLOTS + n * stride_slots + p, mask=move, other=0).to(tl.int64)
+    dst = tl.load(SLOTS + n * stride_slots + k, mask=move, other=0).to(tl.int64)
+    e = tl.arange(0, ROW_P2)
+    m = move[:, None] & (e[None, :] < ROW)
+    rows = tl.load(plane + src[:, None] * ROW + e[None, :], mask=m)
+    # A destination can be another move's source (path[j] == k for some j < k): every read
+    # must land before any write, across the program's warps too.
+    tl.debug_barrier()
+    tl.store(plane + dst[:, None] * ROW + e[None, :], rows, mask=m)
+
+
+def compact_kv_triton(kv: torch.Tensor, path: torch.Tensor, num_accepted: torch.Tensor,
+                      slots: torch.Tensor) -> None:
+    """In place on kv [layers, 2, slots, heads, dim]: for every sequence n and k < num_accepted[n],
+    the K/V at slot slots[n, path[n, k]] moves to slots[n, k] (what ``compaction_moves`` plans),
+    every layer at once, in one launch instead of ~6 torch kernels."""
+    N, L = path.shape
+    layers, two, num_slots = kv.shape[:3]
+    row = kv[0, 0, 0].numel()
+    assert kv.is_contiguous() and path.stride(1) == 1 and slots.stride(1) == 1
+    _compact_kv_kernel[(N, layers * two)](
+        kv, path, num_accepted.contiguous(), slots, num_slots * row, path.stride(0), slots.stride(0),
+        L=L, L_P2=triton.next_power_of_2(L), ROW=row, ROW_P2=triton.next_power_of_2(row), num_warps=4)
