@@ -178,3 +178,29 @@ def test_drafter_training_on_cuda_matches_cpu_and_learns(models, tmp_path):
     cuda = [json.loads(line) for line in (tmp_path / "cuda" / "train_log.jsonl").read_text().splitlines()]
     assert cuda[0]["loss"] == pytest.approx(cpu[0]["loss"], rel=0.02)
     assert cuda[-1]["loss"] < 0.7 * cuda[0]["loss"]
+
+
+def test_fresh_round_behind_an_unfinished_prefill_is_timed_from_its_end(models):
+    """Graph prefills launch without a host sync; a round launched while one still runs carries
+    the prefill's end event, so auto's cost sample excludes the prefill's remaining GPU time."""
+    import time
+    target, drafter = models
+    llm = LLM(target=target, drafter=drafter, method="ddtree", budget=32, device="cuda", dtype=torch.float32,
+              max_model_len=1024, max_num_seqs=4, kv_cache_gb=0.5, max_budget=32)
+    engine, runner = llm.engine, llm.engine.runner
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    prompt = _prompts(2, seed=3)[1]
+    llm.generate([prompt], params)  # captures this prefill's and round's graphs (a capture syncs)
+    seq = engine.add_request(prompt, params, method="ddtree", budget=32)
+    kind, seqs, chunks = engine.scheduler.schedule(lambda s: runner.lookahead("ddtree", 32))
+    assert kind == "prefill"
+    torch.cuda._sleep(200_000_000)  # the GPU is still busy when the round is launched
+    runner.prefill(seqs, chunks)
+    started = time.perf_counter()
+    launched = runner.launch([seq], "ddtree", 32)
+    assert launched.behind_prefill is not None
+    runner.finish(launched)
+    wall = time.perf_counter() - started
+    gpu = launched.seconds_behind_prefill()
+    assert 0 < gpu < wall / 5  # the wait for the sleep and the prefill is not the round's cost
+    engine.abort(seq.request_id)

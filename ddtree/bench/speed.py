@@ -68,6 +68,7 @@ def run_closed_loop(llm, prompt_ids, method, budget, temperature, max_tokens, co
     budget = "auto" if is_auto(budget) else budget
     engine = llm.engine
     runner = engine.runner
+    runner.settle_prefill_spans()
     runner.timer.totals.clear()
     runner.stage_seconds.clear()
     calls0 = runner.decode_calls
@@ -100,6 +101,7 @@ def run_closed_loop(llm, prompt_ids, method, budget, temperature, max_tokens, co
     wall = time.perf_counter() - start
     tokens = sum(s.num_output_tokens for s, _ in done)
     lengths = [n for s, _ in done for n in s.metrics.accepted_lengths]
+    runner.settle_prefill_spans()
     split = {**runner.timer.totals, **runner.stage_seconds}
     split["other"] = max(0.0, wall - sum(split.values()))  # host: scheduling, inputs, bookkeeping
     # Decode speed of a request after its first step (prefill and first token excluded), like

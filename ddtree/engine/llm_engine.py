@@ -271,6 +271,8 @@ class LLMEngine:
         if progressed and (launched.by_auto or self.auto_trace is not None):
             # A round launched behind another costs the time between their reads.
             seconds = now - (self._last_read if launched.after else launched.started) if launched.timed else None
+            if seconds is not None and launched.behind_prefill is not None:  # not the prefill's rest
+                seconds = min(seconds, launched.seconds_behind_prefill())
             cand, tokens_per_seq = (launched.kind.method, launched.kind.budget), sum(map(len, out)) / len(out)
             fresh = not launched.after
             if launched.by_auto:
