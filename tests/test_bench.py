@@ -71,3 +71,18 @@ def test_projection_reuses_step_costs_with_a_new_tau_curve(tmp_path):
     assert speed[(64, "ddtree", 32)] == pytest.approx(2.4 * 0.020 / 0.200)
     assert got["best_per_batch_size"] == {"1": ["ddtree", 32, pytest.approx(1.5)], "64": ["ar", 0, 1.0]}
     assert got["gpu"] == "NVIDIA H200" and out.with_suffix(".png").exists()
+
+
+def test_trace_summary_splits_full_fresh_tail_and_gaps():
+    from ddtree.bench.trace import summarize
+    trace = [{"n": 4, "cand": "ar:0", "s": 0.002, "tau": 1.0, "after": False},
+             {"n": 4, "cand": "ar:0", "s": 0.001, "tau": 1.0, "after": True},
+             {"n": 4, "cand": "ddtree:8", "s": 0.003, "tau": 2.0, "after": True},
+             {"n": 2, "cand": "ar:0", "s": 0.001, "tau": 1.0, "after": False},
+             {"n": 2, "cand": "ar:0", "s": None, "tau": 1.0, "after": False}]  # a capture: no cost
+    got = summarize({"concurrency": 4, "wall_s": 0.010, "auto_trace": trace})
+    assert got["full_rounds"] == 3 and got["tail_rounds"] == 1
+    assert got["full_fresh_ms"] == 2.0 and got["full_overlapped_ms"] == 2.0  # median of 1 and 3 ms
+    assert got["full_tokens_per_ms"] == round((4 + 4 + 8) / 6.0, 2)
+    assert got["tail_tokens_per_ms"] == 2.0
+    assert got["between_rounds_s"] == round(0.010 - 0.007, 4)
