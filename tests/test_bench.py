@@ -86,3 +86,12 @@ def test_trace_summary_splits_full_fresh_tail_and_gaps():
     assert got["full_tokens_per_ms"] == round((4 + 4 + 8) / 6.0, 2)
     assert got["tail_tokens_per_ms"] == 2.0
     assert got["between_rounds_s"] == round(0.010 - 0.007, 4)
+
+
+def test_bench_rejects_a_bad_min_requests(capsys):
+    import pytest
+
+    from ddtree.bench.speed import main
+    with pytest.raises(SystemExit):
+        main(["--min-requests", "0"])
+    assert "--min-requests must be at least 1, got 0" in capsys.readouterr().err

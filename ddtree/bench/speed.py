@@ -119,6 +119,18 @@ def run_closed_loop(llm, prompt_ids, method, budget, temperature, max_tokens, co
             "split_s": split, "auto_choices": {f"{m}:{b}": k for (m, b), k in engine.step_choices.items()}}
 
 
+def warm_up(llm, ids, method, budget, temperature, c) -> None:
+    """Kernels, auto's first tries, and a CUDA-graph capture for every batch bucket up to c (a
+    run drains through the smaller ones: a capture inside a timed run costs more than the run)."""
+    graphs = llm.engine.runner.use_graphs
+    for b in [b for b in GRAPH_BUCKETS if b < c and graphs] + [c]:
+        run_closed_loop(llm, ids[:b], method, budget, temperature, 4 if b < c else 16, b)
+    for _ in range(8 if is_auto(budget) else 0):  # until auto has tried everything
+        if llm.engine.auto.best(c) is not None:
+            break
+        run_closed_loop(llm, ids[:c], method, budget, temperature, 16, c)
+
+
 def bench(llm, prompts: dict[str, list[list[int]]], methods, concurrency, temperatures, max_tokens,
           repeats: int, per_run=lambda c: max(8, 4 * c), on_row=None, fixed_lengths: bool = False) -> list[dict]:
     """per_run(c): requests in one closed-loop run at concurrency c (prompts reused in order when
@@ -132,16 +144,7 @@ def bench(llm, prompts: dict[str, list[list[int]]], methods, concurrency, temper
                 for method, budget in methods:
                     if is_auto(budget):  # the engine's budget is "auto"; a margin is auto's state
                         llm.engine.auto.ar_margin = float(budget[5:]) if budget != "auto" else default_margin
-                    # Warm-up (kernels, auto's first tries, and a CUDA-graph capture for every
-                    # batch bucket up to c, since a run drains through the smaller ones: a capture
-                    # inside a timed run costs more than the run), then repeats; median reported.
-                    graphs = llm.engine.runner.use_graphs
-                    for b in [b for b in GRAPH_BUCKETS if b < c and graphs] + [c]:
-                        run_closed_loop(llm, ids[:b], method, budget, t, 4 if b < c else 16, b)
-                    for _ in range(8 if is_auto(budget) else 0):  # until auto has tried everything
-                        if llm.engine.auto.best(c) is not None:
-                            break
-                        run_closed_loop(llm, ids[:c], method, budget, t, 16, c)
+                    warm_up(llm, ids, method, budget, t, c)  # then repeats; median reported
                     count = max(per_run(c), c)
                     batch = [ids[i % len(ids)] for i in range(count)]
                     lengths = request_lengths(max_tokens, count, fixed_lengths)
@@ -234,6 +237,8 @@ def main(argv=None) -> int:
     p.add_argument("--out", default="bench/results/bench.json")
     p.add_argument("--png", default=None)
     args = p.parse_args(argv)
+    if args.min_requests < 1:
+        p.error(f"--min-requests must be at least 1, got {args.min_requests}")
     if args.quick:
         args.device = args.device or "cpu"
         args.methods, args.concurrency, args.temperatures = "ar,dflash,ddtree:8,auto", "1,2", "0"

@@ -533,10 +533,13 @@ class ModelRunner:
             event = graph.replay(seqs, slot=slot, after=after)
             launched = Launched(seqs, kind, graph.h_out[slot], event, graph.num_accepted, graph.bonus, graph,
                                 after is not None)
-            if after is None and self.prefill_done is not None and not self.prefill_done.query():
-                end = torch.cuda.Event(enable_timing=True)
-                end.record()
-                launched.behind_prefill = (self.prefill_done, end)
+            if after is None and self.prefill_done is not None:
+                if self.prefill_done.query():  # done: later rounds need not ask again
+                    self.prefill_done = None
+                else:
+                    end = torch.cuda.Event(enable_timing=True)
+                    end.record()
+                    launched.behind_prefill = (self.prefill_done, end)
             return launched
         state = {}
         inputs = self._inputs(seqs)

@@ -15,8 +15,7 @@ import json
 import pstats
 
 from ddtree import LLM
-from ddtree.bench.speed import request_lengths, run_closed_loop
-from ddtree.engine.runner import GRAPH_BUCKETS
+from ddtree.bench.speed import request_lengths, run_closed_loop, warm_up
 
 
 def main() -> None:
@@ -38,12 +37,7 @@ def main() -> None:
     lengths = request_lengths(args.max_tokens, count, False)
     rows = []
     for method, budget in (("ar", 0), ("ddtree", "auto")):
-        for b in [b for b in GRAPH_BUCKETS if b < c] + [c]:  # captures, auto's first tries
-            run_closed_loop(llm, ids[:b], method, budget, args.temperature, 16, b)
-        for _ in range(8 if budget == "auto" else 0):
-            if llm.engine.auto.best(c) is not None:
-                break
-            run_closed_loop(llm, ids[:c], method, budget, args.temperature, 16, c)
+        warm_up(llm, ids, method, budget, args.temperature, c)
         plain = [run_closed_loop(llm, ids, method, budget, args.temperature, lengths, c) for _ in range(2)]
         prof = cProfile.Profile()
         prof.enable()
