@@ -46,6 +46,40 @@ def test_picks_trees_when_cheap_and_plain_decoding_under_load():
     assert late.count(("ar", 0)) >= 62  # explores rarely, and only plausible neighbours
 
 
+def test_exploration_loses_at_most_its_budget_under_load():
+    """Concurrency-64-like costs: a tree or chain round costs 3-10 plain rounds and is 0.67-0.88x
+    as fast, so plain decoding is best. Exploring a plausible candidate every 32 steps lost ~1.7 %
+    of the time; with the budget, explorations lose at most ~explore_budget, and still happen."""
+    cost = {("ar", 0): 1.0, ("dflash", 0): 3.0, ("ddtree", 8): 3.3, ("ddtree", 16): 4.8,
+            ("ddtree", 32): 6.3, ("ddtree", 64): 9.7}
+    tau = {("ar", 0): 1.0, ("dflash", 0): 2.6, ("ddtree", 8): 2.9, ("ddtree", 16): 3.9,
+           ("ddtree", 32): 4.2, ("ddtree", 64): 4.4}
+
+    def loss(budget):
+        controller = AutoBudget(list(cost), bucket_of=lambda n: n, explore_budget=budget)
+        run(controller, 64, 200, tau.get, lambda n, c: cost[c])  # first tries
+        seen = run(controller, 64, 4000, tau.get, lambda n, c: cost[c])
+        lost = sum(cost[c] - tau[c] * cost[("ar", 0)] for c in seen)  # against plain decoding
+        return lost / sum(cost[c] for c in seen), sum(c != ("ar", 0) for c in seen)
+
+    unbudgeted, _ = loss(float("inf"))
+    budgeted, explored = loss(0.005)
+    assert unbudgeted > 0.012, unbudgeted
+    assert budgeted <= 0.006, budgeted
+    assert explored >= 10  # estimates are still refreshed
+
+
+def test_forget_keeps_only_the_startup_profile():
+    controller = AutoBudget(auto_candidates(16, True), bucket_of=lambda n: n)
+    controller.prior = {(1, c): 1.0 for c in controller.candidates}
+    run(controller, 1, 60, tree_tau, lambda n, c: 1.0)
+    assert controller.best(1) is not None
+    controller.forget()
+    assert controller.best(1) is None and controller.tries == {} and controller.tau == {("ar", 0): 1.0}
+    assert controller.prior == {(1, c): 1.0 for c in controller.candidates}
+    assert controller.choose(1) == ("ar", 0)  # first tries again
+
+
 def test_a_stall_does_not_freeze_out_the_best_candidate():
     """A step that captured a graph is not timed, and one slow step (GC, another process)
     does not move the cost estimate (median of recent steps), so the best tree stays the choice."""

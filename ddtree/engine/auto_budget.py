@@ -38,7 +38,12 @@ candidate with the largest tau(c) / cost(n, c):
   every ``explore_every`` steps it tries the least recently run of the candidates whose
   estimate is within ``explore_margin`` of the best, so estimates stay fresh. (Trying only the
   best's neighbours left trees unexplored behind plain decoding after a change of load: at
-  c=1 auto stayed on plain decoding while a 32-node tree was 1.11x faster.)
+  c=1 auto stayed on plain decoding while a 32-node tree was 1.11x faster.) An exploration
+  also needs credit: every step earns ``explore_budget`` (0.5 %) of its cost, and exploring a
+  candidate spends its expected loss against the best (its cost times one minus its rate over
+  the best's). Under load a tree round costs 3-8 plain rounds and every 32nd step exploring lost
+  1-2 % of the time at concurrency 64 on the H200; at concurrency 1 rounds cost about the same
+  and the credit never binds.
 
 A rule that took the cheapest step among candidates within 5% of the best rate (meant to
 leave trees and the chain when they were barely ahead of plain decoding) was measured on the H200
@@ -75,23 +80,30 @@ def auto_candidates(cap: int, has_drafter: bool) -> list[tuple[str, int]]:
 class AutoBudget:
     def __init__(self, candidates: list[tuple[str, int]], bucket_of, tau_window: int = 128,
                  explore_every: int = 32, explore_margin: float = 0.8, min_tries: int = 4,
-                 ar_margin: float = 0.0):
+                 ar_margin: float = 0.0, explore_budget: float = 0.005):
         self.candidates = candidates
         self.bucket_of = bucket_of
         self.explore_every, self.explore_margin = explore_every, explore_margin
+        # Explorations may lose at most this fraction of the time (expected loss against the best).
+        self.explore_budget = explore_budget
         self.tau_window = tau_window
+        self.min_tries = min_tries
+        # Speculation must beat plain decoding's rate by this fraction to be chosen over it.
+        self.ar_margin = ar_margin
+        self.prior: dict[tuple[int, tuple[str, int]], float] = {}    # start-up profile
+        self.forget()
+
+    def forget(self) -> None:
+        """Drop everything learned from steps (tau, costs, tries); keep the start-up profile."""
         self.tau: dict[tuple[str, int], float] = {("ar", 0): 1.0}
         self.tau_recent: dict[tuple[str, int], deque] = {}  # recent tokens per sequence per step
         # recent wall times per (bucket, candidate, fresh)
         self.samples: dict[tuple[int, tuple[str, int], bool], deque] = {}
-        self.prior: dict[tuple[int, tuple[str, int]], float] = {}    # start-up profile
         # wall - prior, per (bucket, fresh, plain decoding or not)
         self.overhead_samples: dict[tuple[int, bool, bool], deque] = {}
         self.tries: dict[tuple[str, int], int] = {}  # plain decoding too: its cost is measured
-        self.min_tries = min_tries
-        # Speculation must beat plain decoding's rate by this fraction to be chosen over it.
-        self.ar_margin = ar_margin
         self.steps = 0
+        self.explore_credit = 0.0  # seconds of expected loss explorations may still spend
         self.last_run: dict[tuple[str, int], int] = {}  # observation count at its latest step
         self.observed = 0
 
@@ -129,12 +141,26 @@ class AutoBudget:
         if best != ("ar", 0) and rates[best] < (1 + self.ar_margin) * rates[("ar", 0)]:
             best = ("ar", 0)
         self.steps += 1
+        # Every step earns explore_budget of its time as credit for exploring (capped, so a long
+        # spell of steps does not buy a burst of explorations).
+        step = self.step_cost(bucket, best, fresh)
+        self.explore_credit = min(self.explore_credit + self.explore_budget * step,
+                                  self.explore_budget * step * self.explore_every * 8)
         if self.steps % self.explore_every == 0:
-            # Only refresh candidates that could plausibly win: a clearly worse one costs real time.
-            plausible = [c for c in self.candidates if c != best and rates[c] >= self.explore_margin * rates[best]]
+            # Only refresh candidates that could plausibly win, and only when the credit covers
+            # the step's expected loss against the best (at concurrency 64 a tree round costs 3-8
+            # plain rounds: exploring every 32 steps lost 1-2 % of the time in an H200 trace).
+            plausible = [c for c in self.candidates if c != best and rates[c] >= self.explore_margin * rates[best]
+                         and self.regret(bucket, c, rates, best, fresh) <= self.explore_credit]
             if plausible:
-                return min(plausible, key=lambda c: self.last_run.get(c, -1))
+                cand = min(plausible, key=lambda c: self.last_run.get(c, -1))
+                self.explore_credit -= self.regret(bucket, cand, rates, best, fresh)
+                return cand
         return best
+
+    def regret(self, bucket: int, cand, rates: dict, best, fresh: bool = False) -> float:
+        """Expected seconds one step of ``cand`` loses against running ``best`` for its tokens."""
+        return self.step_cost(bucket, cand, fresh) * (1 - rates[cand] / rates[best])
 
     def rates(self, bucket: int, fresh: bool = False) -> dict[tuple[str, int], float]:
         return {c: self.rate(bucket, c, fresh) for c in self.candidates}

@@ -363,7 +363,6 @@ class ModelRunner:
         if isinstance(drafter, DFlashDrafter):
             self.drafter_kv = self._alloc_kv(drafter.kv_shape(), num_slots)
         self.taps = tuple(getattr(drafter, "taps", ()))
-        self.tree_temperature = torch.ones(2, device=device)
         # Plain-decoding rounds under budget="auto" keep only their tapped target features here
         # (by cache slot); the drafter projects them when a speculative round next needs them.
         # Storing the drafter's K/V every plain round cost 5-6 % of the round on the H200.
@@ -696,11 +695,7 @@ class ModelRunner:
         positions = (inp.starts[:, None] + torch.arange(S, device=self.device)).reshape(-1)
         ctx = AttentionContext.uniform(inp.tables, inp.starts, S, self.blocks.block_size, max_keys, mask="full")
         hidden = self.drafter(embeds, positions, self.drafter_kv, ctx).view(N, S, -1)[:, 1:]
-        logits = self.target.logits(hidden.to(self.dtype)).float()
-        # Tree temperature by row: [greedy rows, sampled rows] (a device tensor, so captured
-        # graphs read its current value). A chain's argmax does not depend on it.
-        temp = self.tree_temperature[(inp.temperature > 0).long()]
-        return torch.log_softmax(logits / temp[:, None, None], -1)
+        return torch.log_softmax(self.target.logits(hidden.to(self.dtype)), -1)
 
     def build(self, kind: StepKind, roots: torch.Tensor, logprobs) -> Tree:
         """The tree to verify, root first, with its ancestor mask."""

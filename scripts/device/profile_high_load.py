@@ -37,7 +37,7 @@ def main() -> None:
     lengths = request_lengths(args.max_tokens, count, False)
     rows = []
     for method, budget in (("ar", 0), ("ddtree", "auto")):
-        warm_up(llm, ids, method, budget, args.temperature, c)
+        warm_up(llm, ids, method, budget, args.temperature, c, lengths)
         plain = [run_closed_loop(llm, ids, method, budget, args.temperature, lengths, c) for _ in range(2)]
         prof = cProfile.Profile()
         prof.enable()
