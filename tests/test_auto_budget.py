@@ -69,17 +69,6 @@ def test_exploration_loses_at_most_its_budget_under_load():
     assert explored >= 10  # estimates are still refreshed
 
 
-def test_forget_keeps_only_the_startup_profile():
-    controller = AutoBudget(auto_candidates(16, True), bucket_of=lambda n: n)
-    controller.prior = {(1, c): 1.0 for c in controller.candidates}
-    run(controller, 1, 60, tree_tau, lambda n, c: 1.0)
-    assert controller.best(1) is not None
-    controller.forget()
-    assert controller.best(1) is None and controller.tries == {} and controller.tau == {("ar", 0): 1.0}
-    assert controller.prior == {(1, c): 1.0 for c in controller.candidates}
-    assert controller.choose(1) == ("ar", 0)  # first tries again
-
-
 def test_a_stall_does_not_freeze_out_the_best_candidate():
     """A step that captured a graph is not timed, and one slow step (GC, another process)
     does not move the cost estimate (median of recent steps), so the best tree stays the choice."""

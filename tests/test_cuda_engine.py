@@ -204,3 +204,34 @@ def test_fresh_round_behind_an_unfinished_prefill_is_timed_from_its_end(models):
     gpu = launched.seconds_behind_prefill()
     assert 0 < gpu < wall / 5  # the wait for the sleep and the prefill is not the round's cost
     engine.abort(seq.request_id)
+
+
+@pytest.mark.parametrize("method", ["ar", "dflash", "ddtree"])
+def test_triton_sampler_in_captured_rounds_is_lossless(method):
+    """On CUDA, unfiltered sampling runs the Triton Gumbel-max sampler inside the captured rounds:
+    3-token continuations of a tiny model under AR, the chain and DDTree match the exact
+    distribution (chi-square at 0.001, as tests/test_sampling_lossless.py does on CPU)."""
+    import copy
+    from ddtree.models.dflash import random_drafter
+    from test_sampling_lossless import ALPHA, PROMPT, exact_distribution, goodness_of_fit
+    from tiny import tiny_model
+    model = tiny_model("llama", vocab=6, layers=2, std=0.35)
+    params = dict(temperature=0.8, top_k=0, top_p=1.0, max_tokens=3, ignore_eos=True)
+    exact = exact_distribution(model, params)
+    torch.manual_seed(0)
+    drafter = random_drafter(model.config, num_layers=1, block_size=4, num_taps=1, seed=0)
+    llm = LLM(target=copy.deepcopy(model), drafter=drafter if method != "ar" else None, method=method,
+              budget=10, device="cuda", dtype=torch.float32, max_model_len=16, max_num_seqs=64, kv_cache_gb=0.05)
+    calls = []
+    from ddtree.kernels import triton_sample
+    real = triton_sample.sample_gumbel_triton
+    triton_sample.sample_gumbel_triton = lambda *a, **k: (calls.append(1), real(*a, **k))[1]
+    try:
+        outs = llm.generate([PROMPT] * 4000, SamplingParams(**params))
+    finally:
+        triton_sample.sample_gumbel_triton = real
+    assert calls  # the Triton sampler was captured (graphs replay it without calling Python)
+    assert goodness_of_fit([tuple(o.token_ids) for o in outs], exact) > ALPHA
+    if method != "ar":
+        lens = [n for o in outs for n in o.metrics.accepted_lengths]
+        assert sum(lens) / len(lens) > 1.3  # drafts were accepted, so the walk used the samples

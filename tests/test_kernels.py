@@ -312,6 +312,40 @@ def test_triton_kv_compaction_matches_torch(dtype):
     assert not torch.equal(want, kv)  # the case moves something
 
 
+@needs_kernels
+def test_triton_sampler_draws_from_softmax_at_the_temperature():
+    """Gumbel-max over two vocabulary blocks: draws match softmax(logits / T) by chi-square
+    (T = 1 and 0.5), a greedy row takes the first maximal logit (tied across blocks), the same
+    seed repeats its draws, and the device seed advances so the next call draws afresh."""
+    from scipy.stats import chisquare
+    from ddtree.kernels.triton_sample import sample_gumbel_triton
+    gen = torch.Generator().manual_seed(0)
+    V, rows = 8, 400 if INTERPRETED else 20000  # the interpreter runs ~60 programs a second
+    base = torch.randn(V, generator=gen) * 1.5
+    seed = torch.tensor([1234], device=DEVICE)
+    got = sample_gumbel_triton(base.expand(2, rows, V).to(DEVICE), torch.tensor([1.0, 0.5], device=DEVICE),
+                               seed, block=4).cpu()
+    assert int(seed) == 1235
+    for row, t in ((0, 1.0), (1, 0.5)):
+        expected = torch.softmax(base.double() / t, -1) * rows
+        observed = torch.bincount(got[row], minlength=V).double()
+        big = expected >= 5  # pool rare tokens so the chi-square approximation holds
+        obs = torch.cat([observed[big], observed[~big].sum()[None]])
+        exp = torch.cat([expected[big], expected[~big].sum()[None]])
+        assert chisquare(obs.numpy(), exp.numpy()).pvalue > 1e-3, t
+
+    tied = base.clone()
+    tied[1] = tied[6] = base.max() + 1
+    few = torch.stack([tied, base]).view(2, 1, V).expand(2, 16, V).to(DEVICE)
+    temps = torch.tensor([0.0, 1.0], device=DEVICE)
+    seed.fill_(99)
+    first = sample_gumbel_triton(few, temps, seed, block=4).cpu()
+    assert torch.all(first[0] == 1)
+    seed.fill_(99)
+    assert torch.equal(sample_gumbel_triton(few, temps, seed, block=4).cpu(), first)
+    assert not torch.equal(sample_gumbel_triton(few, temps, seed, block=4).cpu()[1], first[1])
+
+
 @pytest.mark.skipif(CUDA or INTERPRETED, reason="CPU only: the kernels run directly on CUDA")
 def test_kernels_under_triton_interpreter():
     """Every kernel test above, in Triton's interpreter, in a fresh process."""

@@ -121,17 +121,21 @@ def run_closed_loop(llm, prompt_ids, method, budget, temperature, max_tokens, co
 
 def warm_up(llm, batch, method, budget, temperature, c, lengths) -> None:
     """Kernels and a CUDA-graph capture for every batch bucket up to c (a run drains through the
-    smaller ones: a capture inside a timed run costs more than the run). For auto, what it learned
-    before is dropped and one run of the cell's own requests (``batch``, ``lengths``) teaches it
-    this cell's traffic: learned from the capture runs' 4- and 16-token requests (the start of a
-    response, the most predictable part) and carried over from earlier cells, its tau estimates
-    stayed high, and at concurrency 64 in an H200 trace it ran 65 8-node-tree rounds at an
-    estimated tau of 2.7-2.9 where they accepted 2.44 (plain decoding was 10 % faster)."""
+    smaller ones: a capture inside a timed run costs more than the run). ``auto`` has every graph
+    from its start-up profile; it warms up on one run of the cell's own requests (``batch``,
+    ``lengths``) and keeps what it learned in earlier cells, as a server keeps it across changes
+    of load. Short warm-up requests taught it the start of responses, the most predictable part:
+    in an H200 trace at concurrency 64 it then ran 65 8-node-tree rounds at an estimated tau of
+    2.7-2.9 where they accepted 2.44 (plain decoding was 10 % faster). Dropping its statistics at
+    each cell instead left the rarely run trees with tau from their first tries only (also at
+    the start of responses): auto fell to 0.95x plain decoding at concurrency 64 on HumanEval."""
+    if is_auto(budget) and (llm.engine.auto.prior or not llm.engine.runner.use_graphs):
+        run_closed_loop(llm, batch, method, budget, temperature, lengths, c)
+        return
     graphs = llm.engine.runner.use_graphs
     for b in [b for b in GRAPH_BUCKETS if b < c and graphs] + [c]:
         run_closed_loop(llm, batch[:b], method, budget, temperature, 4 if b < c else 16, b)
     if is_auto(budget):
-        llm.engine.auto.forget()
         run_closed_loop(llm, batch, method, budget, temperature, lengths, c)
 
 

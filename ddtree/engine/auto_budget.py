@@ -91,10 +91,6 @@ class AutoBudget:
         # Speculation must beat plain decoding's rate by this fraction to be chosen over it.
         self.ar_margin = ar_margin
         self.prior: dict[tuple[int, tuple[str, int]], float] = {}    # start-up profile
-        self.forget()
-
-    def forget(self) -> None:
-        """Drop everything learned from steps (tau, costs, tries); keep the start-up profile."""
         self.tau: dict[tuple[str, int], float] = {("ar", 0): 1.0}
         self.tau_recent: dict[tuple[str, int], deque] = {}  # recent tokens per sequence per step
         # recent wall times per (bucket, candidate, fresh)

@@ -363,6 +363,10 @@ class ModelRunner:
         if isinstance(drafter, DFlashDrafter):
             self.drafter_kv = self._alloc_kv(drafter.kv_shape(), num_slots)
         self.taps = tuple(getattr(drafter, "taps", ()))
+        # Seed of the Triton sampler (CUDA), advanced on the device by every sampled round (graphs
+        # too); drawn from torch's generator so LLM(seed=...) fixes it.
+        self.sample_seed = (torch.randint(0, 2**62, (1,), dtype=torch.int64).to(device)
+                            if device.type == "cuda" else None)
         # Plain-decoding rounds under budget="auto" keep only their tapped target features here
         # (by cache slot); the drafter projects them when a speculative round next needs them.
         # Storing the drafter's K/V every plain round cost 5-6 % of the round on the H200.
@@ -738,9 +742,14 @@ class ModelRunner:
         return logits, (tapped.view(N, T, -1) if tapped is not None else None), ctx.slot_mapping.view(N, T)
 
     def accept(self, kind: StepKind, inp: StepInputs, tree: Tree, logits, generators):
-        samples = sample_from_logits(logits, inp.temperature, inp.top_k, inp.top_p, generators,
-                                     all_greedy=kind.sampling == "greedy",
-                                     use_filters=kind.sampling == "filtered")
+        if (kind.sampling == "sample" and triton_enabled(logits)
+                and (generators is None or all(g is None for g in generators))):
+            from ddtree.kernels.triton_sample import sample_gumbel_triton
+            samples = sample_gumbel_triton(logits, inp.temperature, self.sample_seed)
+        else:
+            samples = sample_from_logits(logits, inp.temperature, inp.top_k, inp.top_p, generators,
+                                         all_greedy=kind.sampling == "greedy",
+                                         use_filters=kind.sampling == "filtered")
         if kind.method == "ar":  # a root-only tree: the walk's answer without its kernels
             path = torch.zeros_like(tree.tokens)
             return path, torch.ones_like(inp.roots), samples[:, 0]
