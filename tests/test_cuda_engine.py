@@ -212,10 +212,20 @@ def test_triton_sampler_in_captured_rounds_is_lossless(method):
     3-token continuations of a tiny model under AR, the chain and DDTree match the exact
     distribution (chi-square at 0.001, as tests/test_sampling_lossless.py does on CPU)."""
     import copy
+    from ddtree.models.decoder import DecoderLM, ModelConfig
     from ddtree.models.dflash import random_drafter
     from test_sampling_lossless import ALPHA, PROMPT, exact_distribution, goodness_of_fit
-    from tiny import tiny_model
-    model = tiny_model("llama", vocab=6, layers=2, std=0.35)
+    # tests/tiny.py's model with head_dim 16 (the Triton attention's dot products need K >= 16)
+    cfg = ModelConfig(model_type="llama", vocab_size=6, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=2, num_key_value_heads=1, head_dim=16, rms_norm_eps=1e-5,
+                      rope_theta=10000.0, max_position_embeddings=256, tie_word_embeddings=False,
+                      attention_bias=False, qk_norm=False)
+    torch.manual_seed(0)
+    model = DecoderLM(cfg).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" not in name:
+                p.normal_(0, 0.35)
     params = dict(temperature=0.8, top_k=0, top_p=1.0, max_tokens=3, ignore_eos=True)
     exact = exact_distribution(model, params)
     torch.manual_seed(0)

@@ -33,7 +33,9 @@ def exact_distribution(model, params) -> dict[tuple, float]:
     for cont in itertools.product(range(model.config.vocab_size), repeat=3):
         ids = PROMPT + list(cont)
         n = len(ids)
-        kv = [(torch.zeros(n, 2, 8), torch.zeros(n, 2, 8)) for _ in range(2)]
+        c = model.config
+        kv = [(torch.zeros(n, c.num_key_value_heads, c.head_dim), torch.zeros(n, c.num_key_value_heads, c.head_dim))
+              for _ in range(c.num_hidden_layers)]
         ctx = AttentionContext.contiguous([n])
         with torch.no_grad():
             hidden, _ = model(t(ids), torch.arange(n), kv, ctx)
