@@ -244,4 +244,5 @@ def test_triton_sampler_in_captured_rounds_is_lossless(method):
     assert goodness_of_fit([tuple(o.token_ids) for o in outs], exact) > ALPHA
     if method != "ar":
         lens = [n for o in outs for n in o.metrics.accepted_lengths]
-        assert sum(lens) / len(lens) > 1.3  # drafts were accepted, so the walk used the samples
+        # drafts were accepted, so the walk used the samples (a 3-token chain accepts less: ~1.23 on CPU)
+        assert sum(lens) / len(lens) > (1.3 if method == "ddtree" else 1.15)
