@@ -207,25 +207,16 @@ def test_fresh_round_behind_an_unfinished_prefill_is_timed_from_its_end(models):
 
 
 @pytest.mark.parametrize("method", ["ar", "dflash", "ddtree"])
-def test_triton_sampler_in_captured_rounds_is_lossless(method):
+def test_triton_sampler_in_captured_rounds_is_lossless(method, monkeypatch):
     """On CUDA, unfiltered sampling runs the Triton Gumbel-max sampler inside the captured rounds:
     3-token continuations of a tiny model under AR, the chain and DDTree match the exact
     distribution (chi-square at 0.001, as tests/test_sampling_lossless.py does on CPU)."""
     import copy
-    from ddtree.models.decoder import DecoderLM, ModelConfig
+    from ddtree.kernels import triton_sample
     from ddtree.models.dflash import random_drafter
     from test_sampling_lossless import ALPHA, PROMPT, exact_distribution, goodness_of_fit
-    # tests/tiny.py's model with head_dim 16 (the Triton attention's dot products need K >= 16)
-    cfg = ModelConfig(model_type="llama", vocab_size=6, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                      num_attention_heads=2, num_key_value_heads=1, head_dim=16, rms_norm_eps=1e-5,
-                      rope_theta=10000.0, max_position_embeddings=256, tie_word_embeddings=False,
-                      attention_bias=False, qk_norm=False)
-    torch.manual_seed(0)
-    model = DecoderLM(cfg).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" not in name:
-                p.normal_(0, 0.35)
+    from tiny import tiny_model
+    model = tiny_model("llama", vocab=6, layers=2, std=0.35, heads=2, kv_heads=1, head_dim=16)
     params = dict(temperature=0.8, top_k=0, top_p=1.0, max_tokens=3, ignore_eos=True)
     exact = exact_distribution(model, params)
     torch.manual_seed(0)
@@ -233,13 +224,9 @@ def test_triton_sampler_in_captured_rounds_is_lossless(method):
     llm = LLM(target=copy.deepcopy(model), drafter=drafter if method != "ar" else None, method=method,
               budget=10, device="cuda", dtype=torch.float32, max_model_len=16, max_num_seqs=64, kv_cache_gb=0.05)
     calls = []
-    from ddtree.kernels import triton_sample
     real = triton_sample.sample_gumbel_triton
-    triton_sample.sample_gumbel_triton = lambda *a, **k: (calls.append(1), real(*a, **k))[1]
-    try:
-        outs = llm.generate([PROMPT] * 4000, SamplingParams(**params))
-    finally:
-        triton_sample.sample_gumbel_triton = real
+    monkeypatch.setattr(triton_sample, "sample_gumbel_triton", lambda *a, **k: (calls.append(1), real(*a, **k))[1])
+    outs = llm.generate([PROMPT] * 4000, SamplingParams(**params))
     assert calls  # the Triton sampler was captured (graphs replay it without calling Python)
     assert goodness_of_fit([tuple(o.token_ids) for o in outs], exact) > ALPHA
     if method != "ar":
