@@ -146,6 +146,35 @@ def test_plain_rounds_do_not_borrow_speculative_overhead():
     assert controller.step_cost(64, ("ar", 0), fresh=True) == 1.5  # its own rounds' median
 
 
+def test_stale_class_overhead_does_not_lock_plain_decoding_out_of_fresh_rounds():
+    """H200 trace at concurrency 64 (HumanEval, T=0, phase-4 drafter): plain decoding's fresh-round
+    overhead came from a few early rounds (+0.27 ms over the start-up curve) and was never
+    refreshed, because the chain then won every fresh round (2.1 tokens in 2.94 ms against an
+    estimated 1.50 ms for one; plain decoding's fresh rounds really took 1.22 ms). Its own
+    overlapped rounds bound the estimate, so it is tried fresh, measured, and keeps those rounds."""
+    plain, chain, tree = ("ar", 0), ("dflash", 0), ("ddtree", 8)
+    controller = AutoBudget([plain, chain, tree], bucket_of=lambda n: n, explore_every=10**9)
+    controller.prior = {(64, plain): 1.238, (64, chain): 2.838, (64, tree): 3.29}
+    real = {(plain, False): 1.19, (plain, True): 1.22, (chain, False): 2.90, (chain, True): 2.94,
+            (tree, False): 3.25, (tree, True): 3.30}
+    tau = {plain: 1.0, chain: 2.1, tree: 2.5}
+    for _ in range(4):  # the warm-up: slow first fresh plain rounds, then every candidate's tries
+        controller.observe(64, plain, 1.238 + 0.27, 1.0, fresh=True)
+    for cand in (plain, chain, tree):
+        for fresh in (False, True):
+            for _ in range(4 if (cand, fresh) != (plain, True) else 0):
+                controller.observe(64, cand, real[(cand, fresh)], tau[cand], fresh)
+    controller.samples.pop((64, plain, True))  # its rounds aged out; the class overhead stayed
+    chosen = []
+    for i in range(400):
+        fresh = i % 4 == 0
+        cand = controller.choose(64, fresh)
+        controller.observe(64, cand, real[(cand, fresh)], tau[cand], fresh)
+        chosen.append((fresh, cand))
+    assert all(c == plain for fresh, c in chosen), [x for x in chosen if x[1] != plain][:5]
+    assert abs(controller.step_cost(64, plain, fresh=True) - 1.22) < 1e-9  # its own rounds' median
+
+
 def test_own_step_times_replace_a_wrong_startup_curve():
     """The start-up curve says the chain is as cheap as plain decoding; its real steps take twice
     as long. Once the chain has run a few steps, its own times decide and plain decoding wins."""
