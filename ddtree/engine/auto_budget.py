@@ -22,7 +22,9 @@ candidate with the largest tau(c) / cost(n, c):
   kind. Mixed together, plain decoding's estimate swung by +-20 % at concurrency 64 with the
   last 9 rounds' mix (1.27 ms overlapped, 1.52 ms fresh in an H200 trace) and flipped close
   calls to trees; and a fixed host cost per round is worth more to a round that commits more
-  tokens, so a fresh round may rightly choose a tree where an overlapped one does not.
+  tokens, so a fresh round may rightly choose a tree where an overlapped one does not. Until a
+  class has rounds of its own, the candidate's median in the other class bounds its estimate
+  (a stale class overhead otherwise never gets corrected; see ``step_cost``).
 - tau: tokens committed per sequence per step, the mean over the candidate's last
   ``tau_window`` steps (plain decoding is exactly 1), lifted to the best smaller tree's (a
   bigger tree contains it). A tree's step also counts for every smaller tree: the first b nodes
