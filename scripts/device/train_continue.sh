@@ -1,15 +1,17 @@
 #!/usr/bin/env bash
-# Fourth drafter build: phase 3's recipe (greedy pass + one seeded T=1 pass over the 19,166 prompts,
-# --distill 0.5, fresh AdamW from the shipped drafter) with a T=1 pass the drafter has never seen
-# (seed 2), and the cosine fitted to the device time: `finish` sets the run's length from the
-# measured step rate so the learning rate reaches zero within the call. Back-to-back device calls
-# while the machine stays warm (see stage_and_run.md): gguf.r00..r05 staged in /tmp/stage, and
+# Continue the shipped drafter on fresh responses (phases 3 and 4 of the model card): a greedy pass
+# and a seeded T=1 pass over the 19,166 training prompts (T1_SEED: use one the drafter has not seen;
+# phase 3 used 1, phase 4 used 2), --distill 0.5, a fresh AdamW from the shipped weights, and the
+# cosine fitted to the device time: `finish` sets the run's length from the measured step rate so
+# the learning rate reaches zero within the call. Back-to-back device calls while the machine
+# stays warm (see stage_and_run.md): gguf.r00..r05 staged in /tmp/stage, and
 # train_prompts.jsonl (gunzip'ed) there by a call of its own (with r06 it would pass 64 MiB).
-#   bash scripts/device/train_phase4.sh start    # carry .stage/gguf.r06: join, two passes, train
-#   bash scripts/device/train_phase4.sh finish   # carry .stage/eval_prompts.json: train to the end,
-#                                                # export (split for $OUT), tau of old and new drafter
-#   bash scripts/device/train_phase4.sh measure  # carry .stage/eval_prompts.json: the grid with the
-#                                                # better of the two drafters
+#   T1_SEED=3 bash scripts/device/train_continue.sh start    # carry .stage/gguf.r06: join, two
+#                                                           # passes, train
+#   bash scripts/device/train_continue.sh finish   # carry .stage/eval_prompts.json: train to the
+#                                                  # end, export (split for $OUT), tau old and new
+#   bash scripts/device/train_continue.sh measure  # carry .stage/eval_prompts.json: the grid with
+#                                                  # the better of the two drafters
 set -euo pipefail
 export PYTHONPATH=/tmp/site:$PWD DDTREE_CACHE_DIR=/tmp/ddcache PYTHONUNBUFFERED=1 TQDM_MININTERVAL=30
 G=/tmp/stage/SmolLM2-135M-Instruct.Q4_1.gguf
@@ -29,7 +31,7 @@ start)
   cat /tmp/stage/gguf.r0* > $G
   md5sum $G
   gen /tmp/resp_greedy.pt 0 0 | tee $OUT/responses_greedy.json
-  gen /tmp/resp_t1.pt 1 2 | tee $OUT/responses_t1_seed2.json
+  gen /tmp/resp_t1.pt 1 ${T1_SEED:?set T1_SEED to a seed the drafter has not seen} | tee $OUT/responses_t1.json
   # Provisional length; finish refits it. Train until ~9.3 min into the call.
   $TRAIN --steps ${STEPS:-2400} --max-minutes "$(minutes_left 540)" 2>&1 | tail -1
   cp /tmp/run4/train_log.jsonl $OUT/
@@ -61,7 +63,7 @@ key = lambda r: (r["dataset"], r["temperature"], r["method"], r["budget"])
 old = {key(r): r["tau"] for r in old}
 for r in new:
     print(f"{r['dataset']:9} T={r['temperature']:.0f} {r['method']:6} B={r['budget']:3}  "
-          f"phase 3 {old.get(key(r), float('nan')):.3f}  phase 4 {r['tau']:.3f}")
+          f"shipped {old.get(key(r), float('nan')):.3f}  new {r['tau']:.3f}")
 EOF
   ;;
 measure)
