@@ -20,6 +20,17 @@ def run(controller, n, steps, tau, cost):
     return seen
 
 
+def run_fresh_every_fourth(controller, rounds, real, tau):
+    """Batch-64 rounds, every fourth one fresh, each costing ``real[(cand, fresh)]``."""
+    chosen = []
+    for i in range(rounds):
+        fresh = i % 4 == 0
+        cand = controller.choose(64, fresh)
+        controller.observe(64, cand, real[(cand, fresh)], tau[cand], fresh)
+        chosen.append((fresh, cand))
+    return chosen
+
+
 def tree_tau(cand):
     return {"ar": 1.0, "dflash": 1.5}.get(cand[0], 1.6 + cand[1] / 200)
 
@@ -136,12 +147,7 @@ def test_plain_rounds_do_not_borrow_speculative_overhead():
     tau = {("ar", 0): 1.0, ("ddtree", 8): 2.4}  # fresh: 1 / 1.5 = 0.67 beats 2.4 / 3.95 = 0.61
     for cand, fresh in [(("ar", 0), False)] * 4 + [(("ddtree", 8), True)] * 4:  # the warm-up's mix
         controller.observe(64, cand, real[(cand, fresh)], tau[cand], fresh)
-    chosen = []
-    for i in range(200):
-        fresh = i % 4 == 0
-        cand = controller.choose(64, fresh)
-        controller.observe(64, cand, real[(cand, fresh)], tau[cand], fresh)
-        chosen.append((fresh, cand))
+    chosen = run_fresh_every_fourth(controller, 200, real, tau)
     assert all(c == ("ar", 0) for fresh, c in chosen[40:]), [x for x in chosen[40:] if x[1] != ("ar", 0)][:5]
     assert controller.step_cost(64, ("ar", 0), fresh=True) == 1.5  # its own rounds' median
 
@@ -160,17 +166,10 @@ def test_stale_class_overhead_does_not_lock_plain_decoding_out_of_fresh_rounds()
     tau = {plain: 1.0, chain: 2.1, tree: 2.5}
     for _ in range(4):  # the warm-up: slow first fresh plain rounds, then every candidate's tries
         controller.observe(64, plain, 1.238 + 0.27, 1.0, fresh=True)
-    for cand in (plain, chain, tree):
-        for fresh in (False, True):
-            for _ in range(4 if (cand, fresh) != (plain, True) else 0):
-                controller.observe(64, cand, real[(cand, fresh)], tau[cand], fresh)
-    controller.samples.pop((64, plain, True))  # its rounds aged out; the class overhead stayed
-    chosen = []
-    for i in range(400):
-        fresh = i % 4 == 0
-        cand = controller.choose(64, fresh)
+    for cand, fresh in [(plain, False), (chain, False), (chain, True), (tree, False), (tree, True)] * 4:
         controller.observe(64, cand, real[(cand, fresh)], tau[cand], fresh)
-        chosen.append((fresh, cand))
+    controller.samples.pop((64, plain, True))  # its rounds aged out; the class overhead stayed
+    chosen = run_fresh_every_fourth(controller, 400, real, tau)
     assert all(c == plain for fresh, c in chosen), [x for x in chosen if x[1] != plain][:5]
     assert abs(controller.step_cost(64, plain, fresh=True) - 1.22) < 1e-9  # its own rounds' median
 
