@@ -33,6 +33,22 @@ def test_mixed_batch(smol, tokenizer, prompts, ar_reference, method, budget, dra
         assert sum(lens) / len(lens) > (1.3 if method == "dflash" else 1.6)
 
 
+def test_small_tree_drafts_only_its_depths(smol, tokenizer, prompts):
+    """An 8-node tree drafts 8 depths, not the block's 15, and accepts exactly what the tree
+    built from all 15 accepts (the same trees, round for round)."""
+    llm = make_llm(smol, tokenizer, method="ddtree", budget=8, drafter=SHIPPED)
+    seen = []
+    draft = llm.engine.runner.draft
+    llm.engine.runner.draft = lambda kind, *a: seen.append(out := draft(kind, *a)) or out
+    cut = llm.generate(prompts[:3], GREEDY_64)
+    full = make_llm(smol, tokenizer, method="ddtree", budget=8, drafter=SHIPPED)
+    full.engine.runner.draft_depth = lambda kind: full.engine.runner.drafter.block_size - 1
+    whole = full.generate(prompts[:3], GREEDY_64)
+    assert {t.shape[1] for t in seen} == {8}
+    assert [o.metrics.accepted_lengths for o in cut] == [o.metrics.accepted_lengths for o in whole]
+    assert [o.token_ids for o in cut] == [o.token_ids for o in whole]
+
+
 @pytest.fixture(scope="module")
 def oracle_runs(smol, tokenizer, prompts, ar_reference):
     runs = {}

@@ -302,6 +302,16 @@ def test_budget_exceeds_available_prefixes():
     assert_batched_equals_heap(tie_logprobs(2, 3, 2, 6, levels=2), 64)
 
 
+@pytest.mark.parametrize("budget", [1, 3, 5, 8])
+def test_tree_of_budget_b_reads_only_the_first_b_depths(budget):
+    """The engine drafts only min(S-1, b) depths for a b-node tree: a tree's node at depth d
+    needs its d-1 ancestors, so the deeper logits cannot change it (random and tied scores)."""
+    for lp in (random_logprobs(4, 9, 12, seed=budget), tie_logprobs(4, 9, 6, seed=budget, levels=2)):
+        full, cut = build_tree_batched(lp, budget), build_tree_batched(lp[:, :budget], budget)
+        for a, b in zip(full, cut):
+            assert torch.equal(a, b)
+
+
 # --------------------------------------------------- optimality / tie rule
 
 

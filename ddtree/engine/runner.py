@@ -685,11 +685,11 @@ class ModelRunner:
     def draft_for(self, seqs: list[Sequence]) -> torch.Tensor:
         """The drafter's per-depth log-probabilities for these sequences' next block (eager; for
         tests and tools)."""
-        kind = self.step_kind(seqs, "ddtree", 1, store_context=False)
+        kind = self.step_kind(seqs, "dflash", 0, store_context=False)  # every depth
         return self.draft(kind, self._inputs(seqs), max(len(s) for s in seqs) + self.drafter.block_size, seqs)
 
     def draft(self, kind: StepKind, inp: StepInputs, max_keys: int, seqs) -> torch.Tensor | None:
-        """Per-depth log-probabilities [N, S-1, V] from the drafter (fp32, temperature 1)."""
+        """Per-depth log-probabilities [N, D, V] from the drafter (fp32, temperature 1)."""
         if kind.method == "ar":
             return None
         if not isinstance(self.drafter, DFlashDrafter):
@@ -698,8 +698,14 @@ class ModelRunner:
         embeds = self.drafter.block_embeddings(inp.roots, self.target.model.embed_tokens)
         positions = (inp.starts[:, None] + torch.arange(S, device=self.device)).reshape(-1)
         ctx = AttentionContext.uniform(inp.tables, inp.starts, S, self.blocks.block_size, max_keys, mask="full")
-        hidden = self.drafter(embeds, positions, self.drafter_kv, ctx).view(N, S, -1)[:, 1:]
+        hidden = self.drafter(embeds, positions, self.drafter_kv, ctx).view(N, S, -1)[:, 1:1 + self.draft_depth(kind)]
         return torch.log_softmax(self.target.logits(hidden.to(self.dtype)), -1)
+
+    def draft_depth(self, kind: StepKind) -> int:
+        """Depths whose logits a round reads: S-1, or b for a tree of b < S-1 nodes (it reaches
+        depth b at most; the deeper positions' LM head, log-softmax and top-k would go unread)."""
+        S = self.drafter.block_size
+        return min(S - 1, kind.budget) if kind.method == "ddtree" else S - 1
 
     def build(self, kind: StepKind, roots: torch.Tensor, logprobs) -> Tree:
         """The tree to verify, root first, with its ancestor mask."""
