@@ -8,6 +8,7 @@ python -m ddtree.bench.trace bench/results/bench_h200_before_fused_compaction.js
 from __future__ import annotations
 
 import argparse
+import gzip
 import json
 import statistics
 
@@ -35,10 +36,13 @@ def summarize(row: dict) -> dict:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m ddtree.bench.trace", description=__doc__)
-    p.add_argument("bench_json")
+    p.add_argument("bench_json", help="a bench JSON (or .json.gz)")
     p.add_argument("--concurrency", type=int, default=64)
     args = p.parse_args(argv)
-    rows = [r for r in json.load(open(args.bench_json))["results"]
+    opener = gzip.open if args.bench_json.endswith(".gz") else open
+    with opener(args.bench_json, "rt") as f:
+        results = json.load(f)["results"]
+    rows = [r for r in results
             if r["concurrency"] == args.concurrency and r.get("auto_trace")]
     if not rows:
         raise SystemExit(f"{args.bench_json}: no traced rows at concurrency {args.concurrency} "

@@ -5,8 +5,8 @@
 # cosine fitted to the device time: `finish` sets the run's length from the measured step rate so
 # the learning rate reaches zero within the call. Back-to-back device calls while the machine
 # stays warm (see stage_and_run.md): gguf.r00..r05 staged in /tmp/stage, and
-# train_prompts.jsonl (gunzip'ed) there by a call of its own (with r06 it would pass 64 MiB).
-#   T1_SEED=3 bash scripts/device/train_continue.sh start    # carry .stage/gguf.r06: join, two
+# train_prompts.jsonl (gunzip'ed) there by a call of its own (with r07 it would pass 64 MiB).
+#   T1_SEED=3 bash scripts/device/train_continue.sh start    # carry .stage/gguf.r07: join, two
 #                                                           # passes, train
 #   bash scripts/device/train_continue.sh finish   # carry .stage/eval_prompts.json: train to the
 #                                                  # end, export (split for $OUT), tau old and new
@@ -27,7 +27,7 @@ gen() {  # out, temperatures, seed
 }
 case "$1" in
 start)
-  cp .stage/gguf.r06 /tmp/stage/
+  cp .stage/gguf.r07 /tmp/stage/
   cat /tmp/stage/gguf.r0* > $G
   md5sum $G
   gen /tmp/resp_greedy.pt 0 0 | tee $OUT/responses_greedy.json

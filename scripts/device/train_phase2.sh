@@ -7,7 +7,7 @@
 #   bash scripts/device/train_phase2.sh finish   # resume to the end, export, split for $OUT
 #   bash scripts/device/train_phase2.sh measure  # carry .stage/eval_prompts.json: tau, and if the new
 #                                                # drafter beats the shipped one: gpu_check + the grid with it
-# (The GGUF now travels as 7 parts, .stage/gguf.r00..r06: see stage_and_run.md.)
+# (The GGUF now travels as 8 parts, .stage/gguf.r00..r07: see stage_and_run.md.)
 set -euo pipefail
 export PYTHONPATH=/tmp/site:$PWD DDTREE_CACHE_DIR=/tmp/ddcache PYTHONUNBUFFERED=1 TQDM_MININTERVAL=30
 G=/tmp/stage/SmolLM2-135M-Instruct.Q4_1.gguf
