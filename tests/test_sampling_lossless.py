@@ -48,10 +48,10 @@ def exact_distribution(model, params) -> dict[tuple, float]:
     return probs
 
 
-def sample(model, method, seed=0):
+def sample(model, method, seed=0, budget=10):
     torch.manual_seed(seed)
     drafter = random_drafter(model.config, num_layers=1, block_size=4, num_taps=1, seed=seed)
-    llm = LLM(target=model, drafter=drafter if method != "ar" else None, method=method, budget=10,
+    llm = LLM(target=model, drafter=drafter if method != "ar" else None, method=method, budget=budget,
               device="cpu", max_model_len=16, max_num_seqs=N_SAMPLES, kv_cache_gb=0.05)
     outs = llm.generate([PROMPT] * N_SAMPLES, SamplingParams(**PARAMS))
     return [tuple(o.token_ids) for o in outs], llm
@@ -92,10 +92,11 @@ def reference(tiny):
     return exact, ar_samples
 
 
-@pytest.mark.parametrize("method", ["ddtree", "dflash"])
-def test_speculative_sampling_matches_ar(tiny, reference, method):
+# budget 2: a tree that drafts 2 of the block's 3 depths (ModelRunner.draft_depth)
+@pytest.mark.parametrize("method,budget", [("ddtree", 10), ("ddtree", 2), ("dflash", 0)])
+def test_speculative_sampling_matches_ar(tiny, reference, method, budget):
     exact, ar_samples = reference
-    samples, llm = sample(tiny, method, seed=2)
+    samples, llm = sample(tiny, method, seed=2, budget=budget)
     steps = [n for o in llm.engine.seqs.values() for n in o.metrics.accepted_lengths]
     assert not steps  # finished requests leave the engine
     assert goodness_of_fit(samples, exact) > ALPHA
