@@ -4,7 +4,7 @@
 # phase 3 used 1, phase 4 used 2), --distill 0.5, a fresh AdamW from the shipped weights, and the
 # cosine fitted to the device time: `finish` sets the run's length from the measured step rate so
 # the learning rate reaches zero within the call. Back-to-back device calls while the machine
-# stays warm (see stage_and_run.md): gguf.r00..r05 staged in /tmp/stage, and
+# stays warm (see stage_and_run.md): gguf.r00..r06 staged in /tmp/stage, and
 # train_prompts.jsonl (gunzip'ed) there by a call of its own (with r07 it would pass 64 MiB).
 #   T1_SEED=3 bash scripts/device/train_continue.sh start    # carry .stage/gguf.r07: join, two
 #                                                           # passes, train
