@@ -186,7 +186,7 @@ def main():
         eager, graph = prefill_ms(llm, tokens, False, seqs), prefill_ms(llm, tokens, True, seqs)
         result["prefill_ms"][f"{seqs}x{tokens}"] = {"eager": eager, "graph": graph}
         print(f"prefill {seqs:2d} x {tokens:4d} tokens: eager {eager:7.2f} ms  graph {graph:7.2f} ms", flush=True)
-    for method, budget in () if args.no_kernels else (("ar", 0), ("ddtree", 32)):
+    for method, budget in () if args.no_kernels else (("ar", 0), ("dflash", 0), ("ddtree", 32)):
         table = kernel_table(llm, method, budget, args.context)
         total = sum(v[1] for v in table.values())
         count = sum(v[0] for v in table.values())
