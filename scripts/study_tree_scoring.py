@@ -66,29 +66,39 @@ def expected_tau(parent, selected, is_argmax, logp, temperature: float) -> float
     return float(1 + (reach * selected).sum(1).mean())
 
 
-def calibrate(logq: np.ndarray, depth: np.ndarray, table: np.ndarray | None) -> np.ndarray:
-    """f_d(logq) with table[d-1] = (a_d, c_d); the identity without a table."""
+def groups(s: dict, depths: int, split_chain: bool) -> np.ndarray:
+    """Calibration group of every node: its depth - 1, plus ``depths`` when ``split_chain`` and
+    some ancestor is not the drafter's first choice at its depth (off the drafter's chain)."""
+    g = s["depth"].astype(np.int64) - 1
+    if split_chain:
+        off = (s["rank"] > 0).astype(np.float64)
+        g = g + depths * ((path_sums(s["parent"], off) - off) > 0)
+    return g
+
+
+def calibrate(logq: np.ndarray, group: np.ndarray, table: np.ndarray | None) -> np.ndarray:
+    """log sigmoid(a_g * logq + c_g) with table[g] = (a_g, c_g); the identity without a table."""
     if table is None:
         return logq.astype(np.float64)
-    a, c = table[depth - 1, 0], table[depth - 1, 1]
-    return -np.logaddexp(0.0, -(a * logq + c))  # log sigmoid
+    a, c = table[group, 0], table[group, 1]
+    return -np.logaddexp(0.0, -(a * logq + c))
 
 
-def fit_table(sets: list[dict], depths: int, steps: int = 200) -> np.ndarray:
-    """Per-depth (a, c) by maximum likelihood (binary cross-entropy with hard labels at T=0 and
+def fit_table(sets: list[dict], group_of, n_groups: int, steps: int = 200) -> np.ndarray:
+    """Per-group (a, c) by maximum likelihood (binary cross-entropy with hard labels at T=0 and
     the target's probability as a soft label at T=1) over nodes whose parent is on the target's
-    path; depths without data keep the identity-like (1, 8)."""
-    xs, ds, ys = [], [], []
+    greedy path; groups with fewer than 50 such nodes keep (1, 8), close to the raw score."""
+    xs, gs, ys = [], [], []
     for s in sets:
         keep = on_path_parent(s["parent"], s["is_argmax"])
         y = s["is_argmax"].astype(np.float64) if s["temperature"] == 0 else np.exp(s["logp"].astype(np.float64))
         xs.append(s["logq"][keep].astype(np.float64))
-        ds.append(s["depth"][keep].astype(np.int64))
+        gs.append(group_of(s)[keep])
         ys.append(y[keep])
-    x, d, y = (torch.from_numpy(np.concatenate(v)) for v in (xs, ds, ys))
-    table = np.tile(np.array([1.0, 8.0]), (depths, 1))
-    for k in range(1, depths + 1):
-        m = d == k
+    x, g, y = (torch.from_numpy(np.concatenate(v)) for v in (xs, gs, ys))
+    table = np.tile(np.array([1.0, 8.0]), (n_groups, 1))
+    for k in range(n_groups):
+        m = g == k
         if int(m.sum()) < 50:
             continue
         params = torch.tensor([1.0, 1.0], dtype=torch.float64, requires_grad=True)
@@ -97,14 +107,13 @@ def fit_table(sets: list[dict], depths: int, steps: int = 200) -> np.ndarray:
 
         def closure():
             opt.zero_grad()
-            z = params[0] * xk + params[1]
-            loss = torch.nn.functional.binary_cross_entropy_with_logits(z, yk)
+            loss = torch.nn.functional.binary_cross_entropy_with_logits(params[0] * xk + params[1], yk)
             loss.backward()
             return loss
 
         opt.step(closure)
         a, c = params.detach().tolist()
-        table[k - 1] = (max(a, 1e-3), c)  # a > 0 keeps f_d increasing
+        table[k] = (max(a, 1e-3), c)  # a > 0 keeps the map increasing
     return table
 
 
@@ -118,10 +127,10 @@ def read_sets(records: Path) -> dict[str, dict]:
     return sets
 
 
-def evaluate(sets: dict[str, dict], table: np.ndarray | None, budgets: list[int]) -> dict:
+def evaluate(sets: dict[str, dict], table: np.ndarray | None, group_of, budgets: list[int]) -> dict:
     out = {}
     for key, s in sets.items():
-        score = path_sums(s["parent"], calibrate(s["logq"], s["depth"].astype(np.int64), table))
+        score = path_sums(s["parent"], calibrate(s["logq"], group_of(s), table))
         out[key] = {b: expected_tau(s["parent"], select(score, s["depth"], b), s["is_argmax"], s["logp"],
                                     s["temperature"]) for b in budgets}
     return out
@@ -150,16 +159,21 @@ def main(argv=None):
     budgets = [int(b) for b in args.budgets.split(",")]
     names = args.fit_sets.split(",")
     depths = int(max(s["depth"].max() for s in sets.values()))
-    table = fit_table([sets[k] for k in names], depths)
-    base, cal = evaluate(sets, None, budgets), evaluate(sets, table, budgets)
-    oracle = {k: oracle_tau(s, budgets) for k, s in sets.items()}
+    result = {"fitted_on": names, "tau_raw": evaluate(sets, None, lambda s: None, budgets),
+              "tau_oracle": {k: oracle_tau(s, budgets) for k, s in sets.items()}}
+    # By depth alone (what a builder could apply to its per-depth top-k), and by depth and whether
+    # the node's ancestors are all the drafter's first choices (which a builder could not).
+    for name, split in (("by_depth", False), ("by_depth_and_chain", True)):
+        group_of = lambda s, split=split: groups(s, depths, split)  # noqa: E731
+        table = fit_table([sets[k] for k in names], group_of, depths * (2 if split else 1))
+        result[name] = {"table": table.tolist(), "tau": evaluate(sets, table, group_of, budgets)}
+    base = result["tau_raw"]
     for key in sets:
-        print(key, " ".join(f"B{b}: {base[key][b]:.3f} -> {cal[key][b]:.3f} ({cal[key][b] / base[key][b]:.3f}x, "
-                            f"oracle {oracle[key][b]:.3f})" for b in budgets))
+        print(key, " ".join(f"B{b}: raw {base[key][b]:.3f}, by depth {result['by_depth']['tau'][key][b] / base[key][b]:.3f}x, "
+                            f"+chain {result['by_depth_and_chain']['tau'][key][b] / base[key][b]:.3f}x, "
+                            f"oracle {result['tau_oracle'][key][b]:.3f}" for b in budgets))
     if args.out:
-        args.out.write_text(json.dumps({"fitted_on": names, "table": table.tolist(), "tau_raw": base,
-                                        "tau_calibrated": cal, "tau_oracle": oracle}, indent=1))
-
+        args.out.write_text(json.dumps(result, indent=1))
 
 if __name__ == "__main__":
     main()

@@ -87,4 +87,4 @@ for path in args.prompts:
             summary["sets"][key] = {"prompts": len(ids), "seq_steps": int(cat["parent"].shape[0]),
                                     "tau_run": sum(steps) / max(1, len(steps)), "seconds": time.perf_counter() - t0}
             print(key, summary["sets"][key], flush=True)
-(Path(args.out) / "record_trees.json").write_text(json.dumps(summary, indent=1))
+            (Path(args.out) / "record_trees.json").write_text(json.dumps(summary, indent=1))  # after every set
