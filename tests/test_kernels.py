@@ -249,12 +249,18 @@ def test_tree_attention_reads_strided_metadata():
                                                 (64, 6, 400), (70, 5, 30)])
 @needs_kernels
 def test_triton_tree_builder_matches_torch_builder(budget, depth, vocab):
-    """The full tree (root first) and its ancestor mask, exactly as the torch builder's."""
+    """The full tree (root first) and its ancestor mask, exactly as the torch builder's. Rows: a
+    spread distribution (shallow, bushy trees: the kernel stops at the first depth that cannot
+    enter the tree), many ties (across depths too), and one likely token per depth (trees as deep
+    as the drafter's block: no early stop)."""
     from ddtree.kernels.triton_tree import build_tree_triton
     from ddtree.tree import ancestor_mask, build_tree_batched, with_root
     gen = torch.Generator().manual_seed(budget + depth)
     lp = torch.log_softmax(torch.randn(3, depth, vocab, generator=gen) * 3, -1)
     lp[1] = torch.log_softmax(torch.randint(0, 3, (depth, vocab), generator=gen).float(), -1)  # many ties
+    peaked = torch.randn(depth, vocab, generator=gen)
+    peaked[torch.arange(depth), torch.randint(0, vocab, (depth,), generator=gen)] += 12.0
+    lp[2] = torch.log_softmax(peaked, -1)
     lp = lp.to(DEVICE)
     roots = torch.tensor([5, 0, vocab - 1], device=DEVICE)
     want = with_root(roots, *build_tree_batched(lp, budget))
