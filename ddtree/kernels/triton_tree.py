@@ -74,7 +74,7 @@ def _build_tree_kernel(LP, TOK, ROOTS, SIZES, OFFS, PAIR_J, PAIR_R,
         # Early exit: no node at depth >= d scores above this depth's best (parent 0 + rank 0), and
         # on equal scores shallower nodes come first. Once N_NODES shallower entries score at
         # least that much, the tree is complete: the deeper beams are never built.
-        best = tl.load(all_score + off_prev) + tl.load(lp + d * K)
+        best = tl.load(all_score + off_prev, mask=n_d > 0, other=0.0) + tl.load(lp + d * K)  # n_d > 0: beam d-1 exists
         shallower = tl.load(all_score + everything, mask=everything < off, other=float("-inf"))
         if (filled == off) & (n_d > 0) & (tl.sum((shallower >= best).to(tl.int32), 0) < N_NODES):
             valid = (pj < n_prev) & ((pj + 1) * (pr + 1) <= n_d)
