@@ -41,7 +41,7 @@ def _sort_key(score, tie):
 @triton.jit
 def _build_tree_kernel(LP, TOK, ROOTS, SIZES, OFFS, PAIR_J, PAIR_R,
                        ALL_SCORE, ALL_TOK, ALL_PAR, INV, OUT_TOK, OUT_PAR, OUT_DEP, MASK,
-                       D: tl.constexpr, K: tl.constexpr, N_NODES: tl.constexpr, TOTAL: tl.constexpr,
+                       D: tl.constexpr, K: tl.constexpr, N_NODES: tl.constexpr,
                        CAND: tl.constexpr, BEAM_P2: tl.constexpr, KP2: tl.constexpr,
                        TOTAL_P2: tl.constexpr, SEL_P2: tl.constexpr, T_P2: tl.constexpr,
                        MASK_ROWS: tl.constexpr, MAX_DEPTH: tl.constexpr):
@@ -151,7 +151,8 @@ def _vocab_key(x, idx, V):
 
 
 # Triton >= 3.4 has a bitonic top-k that sorts only k-element runs and halves the data between
-# merges; older versions fall back to a full sort of each chunk.
+# merges. The tree kernel above needs it (torch >= 2.11 ships Triton >= 3.6); here a full sort of
+# each chunk remains for k = 1 and as the comparison of scripts/device/sweep_topk.py.
 HAS_TL_TOPK = hasattr(tl, "topk")
 
 
@@ -287,7 +288,7 @@ def build_tree_triton(logprobs: torch.Tensor, budget: int, roots: torch.Tensor,
     _build_tree_kernel[(N,)](
         lp, tok, roots.to(torch.long).contiguous(), sizes, offs, pair_j, pair_r, all_score, all_tok,
         all_par, inv, *out, mask.view(torch.int8),
-        D=D, K=K, N_NODES=n_nodes, TOTAL=total, CAND=cand, BEAM_P2=beam_p2, KP2=triton.next_power_of_2(K),
+        D=D, K=K, N_NODES=n_nodes, CAND=cand, BEAM_P2=beam_p2, KP2=triton.next_power_of_2(K),
         TOTAL_P2=total_p2, SEL_P2=sel_p2, T_P2=t_p2, MASK_ROWS=max(1, min(t_p2, 8192 // t_p2)),
         MAX_DEPTH=min(D, n_nodes),
         num_warps=num_warps or (4 if total_p2 <= 1024 else 8))

@@ -2,9 +2,11 @@
 the vocabulary (``topk_triton``) and the whole ``build_tree_triton`` (top-k + the tree kernel),
 for batch sizes and budgets; random drafter log-probabilities of the SmolLM2 shape (15 x 49152) of
 three kinds, since the tree kernel stops at the first depth that cannot enter the tree:
-"spread" (randn * 3 logits: ~4 % for the likeliest token, shallow bushy trees), "deep" (one token
-per depth ~12 logits ahead: chains as deep as the block, no early stop) and "mixed" (the likeliest
-token 0-12 logits ahead, uniformly per depth). ``--baseline FILE``: also time the
+"spread" (randn * 3 logits: ~4 % for the likeliest token, bushy trees of depth ~2), "deep" (one
+token per depth 12 logits ahead of randn * 2, ~30 % likely: the deepest of the three, trees of
+depth 4-5 at B >= 32) and "mixed" (that token 0-12 logits ahead, uniformly per depth: depth 1-2).
+All are shallower than the drafter's trees on real prompts (τ 2-3 at B=32, chains of 15 at
+times), so they show the early stop at its most useful; the c=1 bench shows the real effect. ``--baseline FILE``: also time the
 ``build_tree_triton`` of another copy of ``triton_tree.py`` on the same inputs and check that both
 give the same trees. (It replaces build_bench.py, which set the Triton builder against the torch one
 at several warp counts when the builder was chosen; an earlier rank-by-counting selection it
