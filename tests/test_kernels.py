@@ -208,27 +208,31 @@ def test_fused_layer_kernels_match_torch():
     assert torch.allclose(tl_ops.silu_mul(gate_up), want, atol=1e-6)
 
     positions = torch.tensor([0, 3, 4, 9, 10, 11, 30], device=DEVICE)
-    cos, sin = Rotary(16, 10000.0).to(DEVICE).cos_sin(positions)
     slots = torch.tensor([5, 0, 7, 2, 9, 1, 3], device=DEVICE)
-    zeros = lambda: (torch.zeros(10, 2, 16, device=DEVICE), torch.zeros(10, 2, 16, device=DEVICE))  # noqa: E731
-    for qk_norm in (False, True):
-        proj = QKVProjection(hidden, 6, 2, 16, bias=True, qk_norm=qk_norm, eps=1e-6).to(DEVICE)
+    # (T, query heads, kv heads, head dim, q/k norm): small; SmolLM2-like (15 heads, not a power
+    # of two, so the kernel's head tile has a padding row); Qwen3-like (q/k norm, head dim 128)
+    for T, nq, nkv, hd, qk_norm in ((7, 6, 2, 16, False), (7, 6, 2, 16, True), (5, 9, 3, 64, False),
+                                    (5, 9, 3, 64, True), (3, 16, 8, 128, True)):
+        xt, pos, sl = x[:T], positions[:T], slots[:T]
+        cos, sin = Rotary(hd, 10000.0).to(DEVICE).cos_sin(pos)
+        zeros = lambda: tuple(torch.zeros(10, nkv, hd, device=DEVICE) for _ in range(2))  # noqa: E731
+        proj = QKVProjection(hidden, nq, nkv, hd, bias=True, qk_norm=qk_norm, eps=1e-6).to(DEVICE)
         if qk_norm:
-            proj.q_norm.weight.data = torch.rand(16, generator=gen).to(DEVICE) + 0.5
-            proj.k_norm.weight.data = torch.rand(16, generator=gen).to(DEVICE) + 0.5
+            proj.q_norm.weight.data = torch.rand(hd, generator=gen).to(DEVICE) + 0.5
+            proj.k_norm.weight.data = torch.rand(hd, generator=gen).to(DEVICE) + 0.5
         with torch.no_grad():
             ref_cache = zeros()
             with _torch_path():
-                q_ref = proj.project_store(x, cos, sin, ref_cache, slots)
-            qkv = torch.cat([proj.q_proj(x), proj.k_proj(x), proj.v_proj(x)], 1)
+                q_ref = proj.project_store(xt, cos, sin, ref_cache, sl)
+            qkv = torch.cat([proj.q_proj(xt), proj.k_proj(xt), proj.v_proj(xt)], 1)
             cache = zeros()
-            q = tl_ops.qkv_rope_store(qkv, 6, 2, 16, cos, sin, slots, *cache, proj.q_norm, proj.k_norm)
-            assert torch.allclose(q, q_ref, atol=1e-5)
+            q = tl_ops.qkv_rope_store(qkv, nq, nkv, hd, cos, sin, sl, *cache, proj.q_norm, proj.k_norm)
+            assert q.shape == (T, nq, hd) and torch.allclose(q, q_ref, atol=1e-5)
             assert torch.allclose(cache[0], ref_cache[0], atol=1e-5) and torch.equal(cache[1], ref_cache[1])
             kv_only = zeros()
-            assert tl_ops.qkv_rope_store(qkv[:, 96:], 0, 2, 16, cos, sin, slots, *kv_only, None,
+            assert tl_ops.qkv_rope_store(qkv[:, nq * hd:], 0, nkv, hd, cos, sin, sl, *kv_only, None,
                                          proj.k_norm) is None
-            assert torch.allclose(kv_only[0], ref_cache[0], atol=1e-5)
+            assert torch.allclose(kv_only[0], ref_cache[0], atol=1e-5) and torch.equal(kv_only[1], ref_cache[1])
 
 
 @needs_kernels
@@ -271,25 +275,48 @@ def test_triton_tree_builder_matches_torch_builder(budget, depth, vocab):
     assert got[3][:, 0, 0].all() and got[3].sum() > 0
 
 
-@pytest.mark.parametrize("k,vocab,chunk", [(1, 7, None), (5, 50, 8), (32, 300, 64), (100, 450, 128),
-                                          (128, 700, 256)]
-                         + ([(32, 49152, None), (64, 49152, None), (128, 151936, None)] if CUDA else []))
+# skip=False only where it changes the path (k below the chunk count); the interpreter is slow.
+@pytest.mark.parametrize("k,vocab,chunk,skip", [(1, 7, None, True), (5, 50, 8, True), (5, 50, 8, False),
+                                               (3, 100, 8, True), (3, 100, 8, False), (32, 300, 64, True),
+                                               (100, 450, 128, True), (128, 700, 256, True)]
+                         + ([(32, 49152, None, True), (64, 49152, None, True), (8, 49152, 512, False),
+                             (128, 151936, None, True)] if CUDA else []))
 # Triton's own top-k where this Triton has it (>= 3.4), and the full-sort fallback always.
 @pytest.mark.parametrize("use_tl_topk", [False] + ([True] if hasattr(triton.language, "topk") else []))
 @needs_kernels
-def test_triton_topk_matches_topk_per_depth(k, vocab, chunk, use_tl_topk):
+def test_triton_topk_matches_topk_per_depth(k, vocab, chunk, use_tl_topk, skip):
     """Values and ids exactly as the shared top-k (value desc, smaller id first on ties, -0.0 ==
-    +0.0), with many ties and chunk boundaries; with Triton's bitonic top-k and with full sorts."""
+    +0.0), with many ties and chunk boundaries; with Triton's bitonic top-k and with full sorts;
+    sorting only the chunks that can win (skip) or every chunk. A row whose top entries sit in
+    one chunk (ranks 2..k of the other chunks' maxima lose to it) tests the skip rule's bound."""
     from ddtree.kernels.triton_tree import topk_triton
     from ddtree.tree import topk_per_depth
     gen = torch.Generator().manual_seed(k + vocab)
-    x = torch.log_softmax(torch.randn(2, 3, vocab, generator=gen) * 3, -1)
+    x = torch.log_softmax(torch.randn(3, 3, vocab, generator=gen) * 3, -1)
     x[1] = torch.randint(-3, 1, (3, vocab), generator=gen).float()  # heavy ties
     x[1, 0, :vocab // 2] = -0.0
+    x[2, 1, :min(k + 2, vocab)] = 5.0 + torch.arange(min(k + 2, vocab)).float()  # one chunk holds the top
     want = topk_per_depth(x, k)
-    got = topk_triton(x.to(DEVICE), k, chunk, use_tl_topk=use_tl_topk)  # small chunks: many boundaries
+    got = topk_triton(x.to(DEVICE), k, chunk, use_tl_topk=use_tl_topk, skip=skip)  # small chunks: many boundaries
     assert torch.equal(got[1].cpu(), want[1])
     assert torch.equal(got[0].cpu(), want[0])
+
+
+@pytest.mark.parametrize("k,vocab,chunk", [(1, 7, None), (4, 100, 8), (32, 300, 64)]
+                         + ([(8, 49152, None), (32, 49152, None)] if CUDA else []))
+@needs_kernels
+def test_triton_topk_normalizes_logits(k, vocab, chunk):
+    """From logits: the ids of the logits' own top-k and log-softmax values (the round drafts
+    logits and skips the full log-softmax)."""
+    from ddtree.kernels.triton_tree import topk_triton
+    from ddtree.tree import topk_per_depth
+    gen = torch.Generator().manual_seed(k)
+    logits = torch.randn(2, 5, vocab, generator=gen) * 4 + 7  # far from normalised
+    want_ids = topk_per_depth(logits, k)[1]
+    want_vals = torch.log_softmax(logits.double(), -1).gather(-1, want_ids)
+    vals, ids = topk_triton(logits.to(DEVICE), k, chunk, normalize=True)
+    assert torch.equal(ids.cpu(), want_ids)
+    assert torch.allclose(vals.cpu().double(), want_vals, atol=2e-5, rtol=0)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -322,7 +349,9 @@ def test_triton_kv_compaction_matches_torch(dtype):
 def test_triton_sampler_draws_from_softmax_at_the_temperature():
     """Gumbel-max over two vocabulary blocks: draws match softmax(logits / T) by chi-square
     (T = 1 and 0.5), a greedy row takes the first maximal logit (tied across blocks), the same
-    seed repeats its draws, and the device seed advances so the next call draws afresh."""
+    seed repeats its draws, and the device seed advances so the next call draws afresh. With few
+    rows a row's blocks are split over several programs: the same draws (each entry has its own
+    Philox counter), and a greedy tie across splits still goes to the first index."""
     from scipy.stats import chisquare
     from ddtree.kernels.triton_sample import sample_gumbel_triton
     gen = torch.Generator().manual_seed(0)
@@ -352,6 +381,29 @@ def test_triton_sampler_draws_from_softmax_at_the_temperature():
     assert torch.equal(sample_gumbel_triton(few, temps, seed, block=4).cpu(), first)
     assert not torch.equal(sample_gumbel_triton(few, temps, seed, block=4).cpu()[1], first[1])
 
+    # 128 rows of V = 8 in blocks of 4: two programs per row (splits = ceil(528 / 128) capped at
+    # the row's 2 blocks), yet the first call's draws, so the same chi-square holds.
+    seed.fill_(1234)
+    split = sample_gumbel_triton(base.expand(1, 128, V).to(DEVICE), torch.tensor([1.0], device=DEVICE),
+                                 seed, block=4).cpu()[0]
+    assert torch.equal(split, got[0, :128])
+    expected = torch.softmax(base.double(), -1) * 128
+    big = expected >= 5
+    observed = torch.bincount(split, minlength=V).double()
+    obs, exp = observed[big], expected[big]
+    if not big.all():
+        obs, exp = torch.cat([obs, observed[~big].sum()[None]]), torch.cat([exp, expected[~big].sum()[None]])
+    assert chisquare(obs.numpy(), exp.numpy()).pvalue > 1e-3
+
+    # V = 16 in blocks of 4 over 4 programs (entry k * 4 + j is in split j): the maximum at 13
+    # (split 1) and 2 (split 2) gives 2; a constant row and an all -inf row give 0.
+    greedy = torch.zeros(3, 16)
+    greedy[0, [2, 10, 13]] = 5.0
+    greedy[0, [0, 5]] = float("-inf")
+    greedy[2] = float("-inf")
+    got = sample_gumbel_triton(greedy[None].to(DEVICE), torch.tensor([0.0], device=DEVICE), seed, block=4)
+    assert got.cpu().tolist() == [[2, 0, 0]]
+
 
 @pytest.mark.skipif(CUDA or INTERPRETED, reason="CPU only: the kernels run directly on CUDA")
 def test_kernels_under_triton_interpreter():
@@ -360,6 +412,6 @@ def test_kernels_under_triton_interpreter():
     import sys
     env = dict(os.environ, TRITON_INTERPRET="1")
     run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__],
-                         env=env, capture_output=True, text=True, timeout=900)
+                         env=env, capture_output=True, text=True, timeout=1500)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-2000:]
     assert " passed" in run.stdout and " failed" not in run.stdout

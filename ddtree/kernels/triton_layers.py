@@ -49,49 +49,48 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.T
 
 
 @triton.jit
-def _head_norm_rope(x1, x2, W, c, s, eps, HALF: tl.constexpr, HAS_NORM: tl.constexpr):
-    """RMSNorm over the head (optional) then rotary, on the head's two halves."""
-    dtype = x1.dtype
-    if HAS_NORM:
-        f1, f2 = x1.to(tl.float32), x2.to(tl.float32)
-        inv = tl.math.rsqrt((tl.sum(f1 * f1, 0) + tl.sum(f2 * f2, 0)) / (2 * HALF) + eps)
-        d = tl.arange(0, HALF)
-        w1 = tl.load(W + d).to(tl.float32)
-        w2 = tl.load(W + HALF + d).to(tl.float32)
-        x1 = ((f1 * inv).to(dtype).to(tl.float32) * w1).to(dtype)
-        x2 = ((f2 * inv).to(dtype).to(tl.float32) * w2).to(dtype)
-    f1, f2 = x1.to(tl.float32), x2.to(tl.float32)
-    return (f1 * c - f2 * s).to(dtype), (f2 * c + f1 * s).to(dtype)
-
-
-@triton.jit
 def _qkv_rope_store_kernel(QKV, QO, KC, VC, COS, SIN, SLOTS, QW, KW, eps,
                            stride_qkv, stride_qo_t, stride_qo_h, stride_kc, stride_kh, stride_vc, stride_vh,
                            stride_cos,
-                           NQ: tl.constexpr, NKV: tl.constexpr, HALF: tl.constexpr, HAS_NORM: tl.constexpr):
+                           NQ: tl.constexpr, NKV: tl.constexpr, NH_P2: tl.constexpr, HALF: tl.constexpr,
+                           HAS_NORM: tl.constexpr):
+    # One program per token over all its heads (row j = head j: queries, keys, then values):
+    # a program per (token, head) meant thousands of 1-warp programs running in several waves.
     t = tl.program_id(0).to(tl.int64)
-    j = tl.program_id(1)  # head: [0, NQ) queries, [NQ, NQ+NKV) keys, then values
-    d = tl.arange(0, HALF)
+    j = tl.arange(0, NH_P2)[:, None]
+    d = tl.arange(0, HALF)[None, :]
+    is_q = j < NQ
+    is_k = (j >= NQ) & (j < NQ + NKV)
+    is_v = (j >= NQ + NKV) & (j < NQ + 2 * NKV)
+    m = j < NQ + 2 * NKV
     base = QKV + t * stride_qkv + j * (2 * HALF)
-    x1 = tl.load(base + d)
-    x2 = tl.load(base + HALF + d)
+    x1 = tl.load(base + d, mask=m, other=0.0)
+    x2 = tl.load(base + HALF + d, mask=m, other=0.0)
+    dtype = x1.dtype
     c = tl.load(COS + t * stride_cos + d)
     s = tl.load(SIN + t * stride_cos + d)
     slot = tl.load(SLOTS + t).to(tl.int64)
-    if j < NQ:
-        y1, y2 = _head_norm_rope(x1, x2, QW, c, s, eps, HALF, HAS_NORM)
-        out = QO + t * stride_qo_t + j * stride_qo_h
-        tl.store(out + d, y1)
-        tl.store(out + HALF + d, y2)
-    elif j < NQ + NKV:
-        y1, y2 = _head_norm_rope(x1, x2, KW, c, s, eps, HALF, HAS_NORM)
-        out = KC + slot * stride_kc + (j - NQ) * stride_kh
-        tl.store(out + d, y1.to(KC.dtype.element_ty))
-        tl.store(out + HALF + d, y2.to(KC.dtype.element_ty))
-    else:
-        out = VC + slot * stride_vc + (j - NQ - NKV) * stride_vh
-        tl.store(out + d, x1.to(VC.dtype.element_ty))
-        tl.store(out + HALF + d, x2.to(VC.dtype.element_ty))
+    # the same roundings as the per-head kernel had: fp32 math, casts to the input dtype
+    y1, y2 = x1, x2
+    if HAS_NORM:
+        f1, f2 = x1.to(tl.float32), x2.to(tl.float32)
+        inv = tl.math.rsqrt((tl.sum(f1 * f1, 1) + tl.sum(f2 * f2, 1)) / (2 * HALF) + eps)[:, None]
+        w1 = tl.where(is_q, tl.load(QW + d).to(tl.float32), tl.load(KW + d).to(tl.float32))
+        w2 = tl.where(is_q, tl.load(QW + HALF + d).to(tl.float32), tl.load(KW + HALF + d).to(tl.float32))
+        y1 = ((f1 * inv).to(dtype).to(tl.float32) * w1).to(dtype)
+        y2 = ((f2 * inv).to(dtype).to(tl.float32) * w2).to(dtype)
+    f1, f2 = y1.to(tl.float32), y2.to(tl.float32)
+    y1, y2 = (f1 * c - f2 * s).to(dtype), (f2 * c + f1 * s).to(dtype)
+    # masked-out rows get in-bounds (never used) offsets
+    qo = QO + t * stride_qo_t + tl.where(is_q, j, 0) * stride_qo_h + d
+    tl.store(qo, y1, mask=is_q)
+    tl.store(qo + HALF, y2, mask=is_q)
+    ko = KC + slot * stride_kc + tl.where(is_k, j - NQ, 0) * stride_kh + d
+    tl.store(ko, y1.to(KC.dtype.element_ty), mask=is_k)
+    tl.store(ko + HALF, y2.to(KC.dtype.element_ty), mask=is_k)
+    vo = VC + slot * stride_vc + tl.where(is_v, j - NQ - NKV, 0) * stride_vh + d
+    tl.store(vo, x1.to(VC.dtype.element_ty), mask=is_v)
+    tl.store(vo + HALF, x2.to(VC.dtype.element_ty), mask=is_v)
 
 
 def qkv_rope_store(qkv: torch.Tensor, num_q: int, num_kv: int, head_dim: int, cos: torch.Tensor,
@@ -105,11 +104,14 @@ def qkv_rope_store(qkv: torch.Tensor, num_q: int, num_kv: int, head_dim: int, co
     eps = norm.eps if norm is not None else 0.0
     qw = q_norm.weight if q_norm is not None else qkv
     kw = k_norm.weight if k_norm is not None else qkv
-    _qkv_rope_store_kernel[(T, num_q + 2 * num_kv)](
+    nh_p2 = triton.next_power_of_2(num_q + 2 * num_kv)
+    tile = nh_p2 * (head_dim // 2)
+    _qkv_rope_store_kernel[(T,)](
         qkv, q, k_cache, v_cache, cos, sin, slots, qw, kw, eps,
         qkv.stride(0), q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
         v_cache.stride(0), v_cache.stride(1), cos.stride(0),
-        NQ=num_q, NKV=num_kv, HALF=head_dim // 2, HAS_NORM=norm is not None, num_warps=1)
+        NQ=num_q, NKV=num_kv, NH_P2=nh_p2, HALF=head_dim // 2, HAS_NORM=norm is not None,
+        num_warps=8 if tile >= 8192 else 4 if tile >= 2048 else 2)
     return q if num_q else None
 
 

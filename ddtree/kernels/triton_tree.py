@@ -157,27 +157,69 @@ HAS_TL_TOPK = hasattr(tl, "topk")
 
 
 @triton.jit
-def _chunk_topk_kernel(X, KEYS, stride_x, V, CHUNK: tl.constexpr, KP: tl.constexpr,
-                       USE_TL_TOPK: tl.constexpr):
-    """The KP largest keys of one vocabulary chunk of one row, in order."""
+def _chunk_stats_kernel(X, STATS, stride_x, V, CHUNK: tl.constexpr):
+    """Max and sum of exp(x - max) of one vocabulary chunk of one row."""
     r = tl.program_id(0).to(tl.int64)
     c = tl.program_id(1)
     idx = c * CHUNK + tl.arange(0, CHUNK)
-    ok = idx < V
-    x = tl.load(X + r * stride_x + idx, mask=ok, other=0.0)
-    key = tl.where(ok, _vocab_key(x, idx, V), _INT64_MIN)
-    dst = KEYS + (r * tl.num_programs(1) + c) * KP
-    if USE_TL_TOPK:
-        tl.store(dst + tl.arange(0, KP), tl.topk(key, KP))
-    else:
-        j = tl.arange(0, CHUNK)
-        tl.store(dst + j, tl.sort(key, descending=True), mask=j < KP)
+    x = tl.load(X + r * stride_x + idx, mask=idx < V, other=float("-inf"))
+    m = tl.max(x, 0)
+    dst = STATS + (r * tl.num_programs(1) + c) * 2
+    tl.store(dst, m)
+    tl.store(dst + 1, tl.sum(tl.exp(x - m), 0))
 
 
 @triton.jit
-def _merge_topk_kernel(KEYS, X, OUT_V, OUT_I, stride_x, V, K, N_CAND, CP: tl.constexpr,
-                       KP: tl.constexpr, USE_TL_TOPK: tl.constexpr):
-    """The K largest of a row's chunk winners -> values (gathered from X) and token ids."""
+def _chunk_threshold_kernel(STATS, THR, K, N_CHUNKS, NC_P2: tl.constexpr):
+    """A row's K-th largest chunk max: the K chunks whose max is at least that hold K entries at
+    least that large, so no entry of a chunk whose max is smaller is in the row's top K."""
+    r = tl.program_id(0).to(tl.int64)
+    j = tl.arange(0, NC_P2)
+    maxes = tl.load(STATS + (r * N_CHUNKS + j) * 2, mask=j < N_CHUNKS, other=float("-inf"))
+    maxes = tl.sort(maxes, descending=True)
+    tl.store(THR + r, tl.max(tl.where(j == K - 1, maxes, float("-inf")), 0))
+
+
+@triton.jit
+def _chunk_topk_kernel(X, KEYS, STATS, THR, stride_x, V, CHUNK: tl.constexpr, KP: tl.constexpr,
+                       SKIP: tl.constexpr, WRITE_STATS: tl.constexpr, USE_TL_TOPK: tl.constexpr):
+    """The KP largest keys of one vocabulary chunk of one row, in order; with SKIP only for the
+    chunks that can hold a top-K entry (at K = 8, 8 of 96 chunks), the others store nothing that
+    can win. WRITE_STATS (every chunk runs): also the chunk's max and sum of exponentials, which
+    saves the stats launch."""
+    r = tl.program_id(0).to(tl.int64)
+    c = tl.program_id(1)
+    dst = KEYS + (r * tl.num_programs(1) + c) * KP
+    if SKIP:
+        run = tl.load(STATS + (r * tl.num_programs(1) + c) * 2) >= tl.load(THR + r)
+    else:
+        run = True
+    if run:
+        idx = c * CHUNK + tl.arange(0, CHUNK)
+        ok = idx < V
+        x = tl.load(X + r * stride_x + idx, mask=ok, other=0.0)
+        key = tl.where(ok, _vocab_key(x, idx, V), _INT64_MIN)
+        if WRITE_STATS:
+            xs = tl.where(ok, x, float("-inf"))
+            m = tl.max(xs, 0)
+            stats = STATS + (r * tl.num_programs(1) + c) * 2
+            tl.store(stats, m)
+            tl.store(stats + 1, tl.sum(tl.exp(xs - m), 0))
+        if USE_TL_TOPK:
+            tl.store(dst + tl.arange(0, KP), tl.topk(key, KP))
+        else:
+            i = tl.arange(0, CHUNK)
+            tl.store(dst + i, tl.sort(key, descending=True), mask=i < KP)
+    else:
+        tl.store(dst + tl.arange(0, KP), tl.full([KP], _INT64_MIN, tl.int64))
+
+
+@triton.jit
+def _merge_topk_kernel(KEYS, X, STATS, OUT_V, OUT_I, stride_x, V, K, N_CAND, N_CHUNKS, CP: tl.constexpr,
+                       KP: tl.constexpr, NC_P2: tl.constexpr, NORMALIZE: tl.constexpr,
+                       USE_TL_TOPK: tl.constexpr):
+    """The K largest of a row's chunk winners -> values (gathered from X, minus the row's
+    logsumexp if NORMALIZE) and token ids."""
     r = tl.program_id(0).to(tl.int64)
     j = tl.arange(0, CP)
     key = tl.load(KEYS + r * N_CAND + j, mask=j < N_CAND, other=_INT64_MIN)
@@ -188,27 +230,42 @@ def _merge_topk_kernel(KEYS, X, OUT_V, OUT_I, stride_x, V, K, N_CAND, CP: tl.con
         key = tl.sort(key, descending=True)
     idx = (V - 1) - (key & 0xFFFFFFFF)
     keep = j < K
-    tl.store(OUT_V + r * K + j, tl.load(X + r * stride_x + idx, mask=keep, other=0.0), mask=keep)
+    val = tl.load(X + r * stride_x + idx, mask=keep, other=0.0)
+    if NORMALIZE:
+        c = tl.arange(0, NC_P2)
+        m = tl.load(STATS + (r * N_CHUNKS + c) * 2, mask=c < N_CHUNKS, other=float("-inf"))
+        s = tl.load(STATS + (r * N_CHUNKS + c) * 2 + 1, mask=c < N_CHUNKS, other=0.0)
+        top = tl.max(m, 0)
+        val = val - (top + tl.log(tl.sum(s * tl.exp(m - top), 0)))
+    tl.store(OUT_V + r * K + j, val, mask=keep)
     tl.store(OUT_I + r * K + j, idx, mask=keep)
 
 
 def _topk_plan(rows: int, k: int) -> tuple[int, int, int]:
-    """(chunk, chunk-kernel warps, merge warps), from a sweep on the H200 at V = 49152
-    (bench/results/topk_sweep_h200.json): small chunks once many rows fill the GPU."""
+    """(chunk, chunk-kernel warps, merge warps), from sweeps on the H200 at V = 49152
+    (bench/results/topk_sweep_h200.json, and with the skip rule topk_skip_sweep_h200.json): small
+    chunks once many rows fill the GPU, since then only the k chunks that can win are sorted."""
     if k > 32:
-        return 2048, 2, 8
-    return (1024, 8, 8) if rows <= 16 else (512, 4, 8 if rows <= 64 else 4)
+        return (2048, 2, 8) if rows <= 64 else (512, 4, 8)
+    return (2048, 8, 8) if rows <= 16 else (512, 4, 8 if rows <= 64 else 4)
 
 
 def topk_triton(logprobs: torch.Tensor, k: int, chunk: int | None = None,
                 warps: tuple[int, int] | None = None,
-                use_tl_topk: bool = HAS_TL_TOPK) -> tuple[torch.Tensor, torch.Tensor]:
-    """``topk_per_depth`` (0 < k < V) in two launches: each program sorts one vocabulary chunk
-    and keeps its k best keys, then one program per row sorts the winners. Replaces an int64
-    radix select over the whole vocabulary (8 passes of 4 kernels, ~70 us on an H200 for
-    15 x 49152 and k = 32). ``chunk``: vocabulary entries per program (a power of two >= k;
-    default from the plan); ``warps``: (chunk kernel, merge kernel) warp counts (default from the
-    plan)."""
+                use_tl_topk: bool = HAS_TL_TOPK, normalize: bool = False,
+                skip: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """``topk_per_depth`` (0 < k < V) in four launches: each chunk's max (and sum of
+    exponentials), each row's k-th largest chunk max, then each chunk that can hold a top-k entry
+    (max at least that) sorts itself and keeps its k best keys, then one program per row sorts the
+    winners (with k >= the chunk count every chunk sorts and the first two launches go). On the
+    H200, 960 rows (batch 64 x 15 depths), k = 8: 0.55 -> 0.14 ms (``topk_skip_sweep_h200.json``).
+    ``normalize``: the input is logits and the values come back as log-probabilities (the row's
+    logsumexp from the chunk sums), so a log-softmax over the whole [rows, V] (0.10 ms for 512
+    rows on the H200) is not needed.
+    Replaces an int64 radix select over the whole vocabulary (8 passes of 4 kernels, ~70 us on an
+    H200 for 15 x 49152 and k = 32). ``chunk``: vocabulary entries per program (a power of two
+    >= k; default from the plan); ``warps``: (chunk kernel, merge kernel) warp counts (default
+    from the plan); ``skip``: sort only the chunks that can win (off: every chunk, as before)."""
     x = logprobs.float()
     *lead, V = x.shape
     x2 = x.reshape(-1, V)
@@ -221,14 +278,22 @@ def topk_triton(logprobs: torch.Tensor, k: int, chunk: int | None = None,
     w1, w2 = warps or (w1, w2)
     chunk = chunk or max(kp, min(plan_chunk, triton.next_power_of_2(V)))
     chunks = triton.cdiv(V, chunk)
+    nc_p2 = max(2, triton.next_power_of_2(chunks))
+    skip = skip and k < chunks
+    stats = torch.empty(R, chunks, 2, device=x.device, dtype=torch.float32)
+    threshold = torch.empty(R, device=x.device, dtype=torch.float32)
+    if skip:
+        _chunk_stats_kernel[(R, chunks)](x2, stats, x2.stride(0), V, CHUNK=chunk, num_warps=w1)
+        _chunk_threshold_kernel[(R,)](stats, threshold, k, chunks, NC_P2=nc_p2, num_warps=1 if nc_p2 <= 128 else 4)
     keys = torch.empty(R, chunks * kp, device=x.device, dtype=torch.int64)
-    _chunk_topk_kernel[(R, chunks)](x2, keys, x2.stride(0), V, CHUNK=chunk, KP=kp,
-                                    USE_TL_TOPK=use_tl_topk, num_warps=w1)
+    _chunk_topk_kernel[(R, chunks)](x2, keys, stats, threshold, x2.stride(0), V, CHUNK=chunk, KP=kp,
+                                    SKIP=skip, WRITE_STATS=normalize and not skip, USE_TL_TOPK=use_tl_topk,
+                                    num_warps=w1)
     vals = torch.empty(R, k, device=x.device, dtype=torch.float32)
     ids = torch.empty(R, k, device=x.device, dtype=torch.int64)
     cp = triton.next_power_of_2(chunks * kp)
-    _merge_topk_kernel[(R,)](keys, x2, vals, ids, x2.stride(0), V, k, chunks * kp, CP=cp, KP=kp,
-                             USE_TL_TOPK=use_tl_topk, num_warps=w2)
+    _merge_topk_kernel[(R,)](keys, x2, stats, vals, ids, x2.stride(0), V, k, chunks * kp, chunks, CP=cp, KP=kp,
+                             NC_P2=nc_p2, NORMALIZE=normalize, USE_TL_TOPK=use_tl_topk, num_warps=w2)
     return vals.view(*lead, k), ids.view(*lead, k)
 
 
@@ -258,10 +323,11 @@ def _plan(budget: int, depth: int, vocab: int, device):
 
 
 def build_tree_triton(logprobs: torch.Tensor, budget: int, roots: torch.Tensor,
-                      num_warps: int | None = None):
+                      num_warps: int | None = None, normalize: bool = False):
     """``build_tree_batched`` + ``with_root`` + ``ancestor_mask`` in one launch after the top-k:
     logprobs [N, D, V], roots [N] -> full trees (tokens, parents, depths) [N, T] with the root at
-    0, and the ancestor mask [N, T, T] (bool), T = B' + 1."""
+    0, and the ancestor mask [N, T, T] (bool), T = B' + 1. ``normalize``: ``logprobs`` are
+    logits; the top-k turns the entries it keeps into log-probabilities."""
     N, D, V = logprobs.shape
     device = logprobs.device
     n_nodes = effective_budget(budget, D, V)
@@ -275,7 +341,10 @@ def build_tree_triton(logprobs: torch.Tensor, budget: int, roots: torch.Tensor,
         mask.fill_(True)
         return (*out, mask)
     K, sizes, offs, pair_j, pair_r, total, cand, beam_p2 = _plan(budget, D, V, device)
-    lp, tok = topk_triton(logprobs, K) if 0 < K < V else topk_per_depth(logprobs, K)
+    if 0 < K < V:
+        lp, tok = topk_triton(logprobs, K, normalize=normalize)
+    else:
+        lp, tok = topk_per_depth(torch.log_softmax(logprobs.float(), -1) if normalize else logprobs, K)
     lp = lp.clamp(max=0.0).contiguous()
     tok = tok.contiguous()
     total_p2 = triton.next_power_of_2(total)
