@@ -16,9 +16,8 @@ import torch
 from ddtree import LLM
 from ddtree.bench.projection import random_model
 from ddtree.engine.runner import STAGES, StepGraph, StepKind
-from ddtree.engine.sampling_params import SamplingParams
 
-from profile_step import SMOLLM2
+from profile_step import SMOLLM2, kernel_table
 
 
 KEEP = []  # captured graphs stay alive: a freed graph's pool must not be captured into again
@@ -35,32 +34,6 @@ def stage_ms(runner, kind: StepKind, n: int, context: int, reps: int = 50) -> di
         for k, s in enumerate(graph.stage_seconds()):
             per[k].append(s * 1e3)
     return {name: sorted(v)[len(v) // 2] for name, v in zip(STAGES, per)}
-
-
-def kernel_table(llm, method: str, budget: int, n: int, context: int, temperature: float) -> dict:
-    """Kernels of one eager round over n sequences: name -> (count, total GPU us)."""
-    engine, runner = llm.engine, llm.engine.runner
-    runner.use_graphs = False
-    gen = torch.Generator().manual_seed(0)
-    seqs = [engine.add_request(torch.randint(0, 49152, (context,), generator=gen).tolist(),
-                               SamplingParams(temperature=temperature, max_tokens=10**6, ignore_eos=True),
-                               method=method, budget=budget) for _ in range(n)]
-    while any(s.num_cached < len(s) - 1 for s in seqs):
-        engine.step()
-    engine.step()
-    torch.cuda.synchronize()
-    from torch.profiler import ProfilerActivity, profile
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        engine.step()
-        torch.cuda.synchronize()
-    for s in seqs:
-        engine.abort(s.request_id)
-    runner.use_graphs = True
-    rows = {}
-    for e in prof.key_averages():
-        if e.device_type == torch.autograd.DeviceType.CUDA and e.count:
-            rows[e.key[:90]] = (e.count, round(e.device_time_total, 1))
-    return dict(sorted(rows.items(), key=lambda kv: -kv[1][1]))
 
 
 def main():
@@ -90,7 +63,7 @@ def main():
             print(f"{method}:{budget} {sampling:6s} round {whole * 1e3:6.3f} ms  " + "  ".join(
                 f"{k} {v:.3f}" for k, v in row["stage_ms"].items()), flush=True)
         if args.kernels:
-            table = kernel_table(llm, method, budget, args.n, args.context, 1.0)
+            table = kernel_table(llm, method, budget, args.context, n=args.n, temperature=1.0)
             row["kernels_sampled"] = dict(list(table.items())[:args.kernels])
             row["kernels_sampled_total_us"] = sum(v[1] for v in table.values())
     with open(args.out, "w") as f:

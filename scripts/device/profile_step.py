@@ -111,14 +111,15 @@ def prefill_ms(llm, tokens: int, graphs: bool, seqs: int = 1, reps: int = 5) -> 
     return sorted(times[1:])[reps // 2] * 1e3
 
 
-def kernel_table(llm, method, budget, context):
-    """Kernels of one eager step (graphs off): name -> (count, total GPU us)."""
+def kernel_table(llm, method, budget, context, n=1, temperature=0.0):
+    """Kernels of one eager step over n sequences (graphs off): name -> (count, total GPU us)."""
     engine = llm.engine
     runner = engine.runner
     runner.use_graphs = False
-    seq = engine.add_request(list(range(1, context + 1)), SamplingParams(temperature=0, max_tokens=10**6,
-                                                                           ignore_eos=True), method=method, budget=budget)
-    while seq.num_cached < len(seq) - 1:
+    params = SamplingParams(temperature=temperature, max_tokens=10**6, ignore_eos=True)
+    seqs = [engine.add_request(list(range(1 + i, context + 1 + i)), params, method=method, budget=budget)
+            for i in range(n)]
+    while any(s.num_cached < len(s) - 1 for s in seqs):
         engine.step()
     engine.step()
     torch.cuda.synchronize()
@@ -126,7 +127,8 @@ def kernel_table(llm, method, budget, context):
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         engine.step()
         torch.cuda.synchronize()
-    engine.abort(seq.request_id)
+    for s in seqs:
+        engine.abort(s.request_id)
     runner.use_graphs = True
     rows = {}
     for e in prof.key_averages():
