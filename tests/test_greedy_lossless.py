@@ -39,7 +39,7 @@ def test_small_tree_drafts_only_its_depths(smol, tokenizer, prompts):
     llm = make_llm(smol, tokenizer, method="ddtree", budget=8, drafter=SHIPPED)
     seen = []
     draft = llm.engine.runner.draft
-    llm.engine.runner.draft = lambda kind, *a: seen.append(out := draft(kind, *a)) or out
+    llm.engine.runner.draft = lambda kind, *a, **kw: seen.append(out := draft(kind, *a, **kw)) or out
     cut = llm.generate(prompts[:3], GREEDY_64)
     full = make_llm(smol, tokenizer, method="ddtree", budget=8, drafter=SHIPPED)
     full.engine.runner.draft_depth = lambda kind: full.engine.runner.drafter.block_size - 1
