@@ -125,6 +125,39 @@ def test_batched_trees_in_several_query_tiles(heads, kv_heads):
 
 
 @needs_kernels
+@pytest.mark.parametrize("new,mask", [(1, "causal"), (9, "tree"), (5, "full")])
+def test_launch_plans_agree(new, mask):
+    """The plans a launch may take give the float64 result: whole tiles of cached keys without
+    the mask (the default with more than one query) or all keys under it, 3 rows per query (9
+    heads over 3 KV heads) or 4 (padded, as small grids on the GPU run), with and without splits."""
+    gen = torch.Generator().manual_seed(new)
+    q, k, v, ctx = make_case(gen, [150, 64, 5, 200], new, mask, heads=9, kv_heads=3, dim=64)
+    want = float64_attention(q, k, v, ctx, 0.125)
+    for splits in (1, 2):
+        for rows in (3, 4):
+            for tiles in (True, False):
+                got = tree_attention(q, k, v, ctx, 0.125, splits=splits, rows_per_query=rows, unmasked_tiles=tiles)
+                assert (got.cpu().double() - want).abs().max() < 1e-5, (splits, rows, tiles)
+
+
+def test_launch_plan_pads_the_group_only_for_small_grids(monkeypatch):
+    """3 heads per KV head take 3 rows per query in 16- or 64-row programs; when the grid is
+    small enough for 8+ key splits the group is padded to 4 rows and 32-row programs return."""
+    from ddtree.kernels import triton_attention as ta
+    q, k = torch.zeros(5, 9, 64), torch.zeros(8, 3, 64)
+    ctx = AttentionContext.uniform(torch.zeros(2, 4, dtype=torch.long), torch.zeros(2, dtype=torch.long), 5, PAGE, 20)
+    monkeypatch.setattr(ta, "kv_splits_for", lambda *a: 1)
+    assert ta.launch_plan(q, k, ctx) == (3, 16, 1, 1, True)
+    monkeypatch.setattr(ta, "kv_splits_for", lambda *a: 8)
+    assert ta.launch_plan(q, k, ctx) == (4, 32, 1, 8, False)
+    ctx.max_queries = 33  # 99 rows: two 64-row tiles of 21 queries, or three of 16 padded
+    monkeypatch.setattr(ta, "kv_splits_for", lambda *a: 2)
+    assert ta.launch_plan(q, k, ctx) == (3, 64, 2, 2, True)
+    monkeypatch.setattr(ta, "kv_splits_for", lambda *a: 16)
+    assert ta.launch_plan(q, k, ctx) == (4, 64, 3, 16, False)
+
+
+@needs_kernels
 @pytest.mark.skipif(not CUDA, reason="bf16 tree attention is checked on the GPU (numpy has no bf16)")
 def test_tree_attention_bf16_close_to_float64():
     gen = torch.Generator().manual_seed(3)

@@ -110,7 +110,7 @@ def main(argv=None) -> int:
                     t_auto = graph_seconds(lambda: tree_attention(q, k, v, ctx, 0.125))
                     t_one = graph_seconds(lambda: tree_attention(q, k, v, ctx, 0.125, splits=1))
                     t_sdpa = graph_seconds(sdpa_reference(q, k, v, ctx, batch, context, new))
-                    splits = launch_plan(q, k, ctx)[2]
+                    splits = launch_plan(q, k, ctx)[3]
                     row = {"shape": name, "batch": batch, "context": context, "new_tokens": new,
                            "splits": splits, "kernel_s": t_auto, "kernel_one_split_s": t_one, "sdpa_contiguous_s": t_sdpa,
                            "bytes": kv_bytes + other, "bandwidth_GBps": (kv_bytes + other) / t_auto / 1e9,
