@@ -129,15 +129,17 @@ def test_batched_trees_in_several_query_tiles(heads, kv_heads):
 def test_launch_plans_agree(new, mask):
     """The plans a launch may take give the float64 result: whole tiles of cached keys without
     the mask (the default with more than one query) or all keys under it, 3 rows per query (9
-    heads over 3 KV heads) or 4 (padded, as small grids on the GPU run), with and without splits."""
+    heads over 3 KV heads) or 4 (padded, as small grids on the GPU run, also in 32-row programs),
+    with and without splits."""
     gen = torch.Generator().manual_seed(new)
     q, k, v, ctx = make_case(gen, [150, 64, 5, 200], new, mask, heads=9, kv_heads=3, dim=64)
     want = float64_attention(q, k, v, ctx, 0.125)
     for splits in (1, 2):
-        for rows in (3, 4):
+        for rows, block_m in ((3, None), (4, None), (4, 32)):
             for tiles in (True, False):
-                got = tree_attention(q, k, v, ctx, 0.125, splits=splits, rows_per_query=rows, unmasked_tiles=tiles)
-                assert (got.cpu().double() - want).abs().max() < 1e-5, (splits, rows, tiles)
+                got = tree_attention(q, k, v, ctx, 0.125, splits=splits, rows_per_query=rows, block_m=block_m,
+                                     unmasked_tiles=tiles)
+                assert (got.cpu().double() - want).abs().max() < 1e-5, (splits, rows, block_m, tiles)
 
 
 def test_launch_plan_pads_the_group_only_for_small_grids(monkeypatch):
