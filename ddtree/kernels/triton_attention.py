@@ -8,10 +8,10 @@ under the context's mask (causal, full, or the dense ancestor mask of a tree). A
 read from tensors, so the launch is CUDA-graph safe.
 
 Rows per query: one per head of the group (SmolLM2's 3 heads take 3 rows, so a 16-node tree fits
-one 64-row tile, a 32-node tree two). Dividing by a constant 3 once made the H200 store rows past
-a tile's last query despite their mask, into the next sequence's first two queries (batched B=32
-trees; the interpreter was exact), so a group that is not a power of two is divided by a run-time
-value. Small grids (batch 1-4) run the plan that measured faster there: the group padded to a
+one 64-row tile, a 32-node tree two). With a constant 3 rows per query the H200 once stored rows
+past a tile's last query despite their mask, into the next sequence's first two queries (batched
+B=32 trees; the interpreter was exact), so a group that is not a power of two is divided by a
+run-time value (the same regression tests pass on the H200). Small grids (batch 1-4) run the plan that measured faster there: the group padded to a
 power of two and one masked loop (``launch_plan``).
 
 When there are fewer programs than SMs (small batches, long prefixes), the keys are split into
@@ -89,9 +89,9 @@ def _attend_keys(q, acc, m_i, l_i, K, V, tables, tree_mask, start, stop, seq, kv
 
 # Runtime ints that vary between launches are not specialised (Triton would compile a variant per
 # "== 1" / "divisible by 16" pattern, a stall of ~1 s the first time a prompt length hits one).
-# rows_per_query is never specialised either: with a constant 3, Triton's layout analysis of
-# rows // 3 let the H200 store rows past a tile's last query despite their mask (see the module
-# docstring); divided by a runtime value, every row keeps its own mask.
+# rows_per_query is not specialised either (ROWS, a compile-time power of two, replaces it when
+# set): rows // 3 with a constant 3 is the suspected cause of the H200 storing rows past a tile's
+# last query despite their mask (module docstring); divided by a run-time value, the same tests pass.
 @triton.jit(do_not_specialize=["splits", "stride_tab", "stride_cl", "rows_per_query"])
 def _tree_attention_kernel(
         Q, K, V, O, P, LSE, tables, cached_lens, query_start, tree_mask, scale_log2,
