@@ -51,10 +51,13 @@ def copy_bandwidth(gib: float = 1.0) -> float:
     return 2 * src.numel() * src.element_size() / t
 
 
-def random_case(shape, batch: int, context: int, new: int, gen: torch.Generator):
+def random_case(shape, batch: int, context: int, new: int, gen: torch.Generator, mask: str | None = None):
+    """Random paged K/V, queries and context; ``mask`` defaults to causal for 1 new token and a
+    random tree otherwise."""
     from ddtree.context import AttentionContext
     from ddtree.tree import ancestor_mask
     heads, kv_heads, dim = shape
+    mask = mask or ("causal" if new == 1 else "tree")
     per_seq = -(-(context + new) // PAGE)
     tables = torch.randperm(batch * per_seq, generator=gen).view(batch, per_seq).cuda()
     slots = batch * per_seq * PAGE
@@ -62,14 +65,12 @@ def random_case(shape, batch: int, context: int, new: int, gen: torch.Generator)
     v = torch.randn_like(k)
     q = torch.randn(batch * new, heads, dim, device="cuda", dtype=torch.bfloat16)
     cached = torch.full((batch,), context, device="cuda")
-    if new == 1:
-        ctx = AttentionContext.uniform(tables, cached, 1, PAGE, context + 1)
-    else:
+    tree = None
+    if mask == "tree":
         parents = torch.tensor([[0] + [int(torch.randint(0, i, (1,), generator=gen)) for i in range(1, new)]
                                 for _ in range(batch)])
-        mask = ancestor_mask(parents, new - 1).cuda()
-        ctx = AttentionContext.uniform(tables, cached, new, PAGE, context + new, mask="tree", tree_mask=mask)
-    return q, k, v, ctx
+        tree = ancestor_mask(parents, new - 1).cuda()
+    return q, k, v, AttentionContext.uniform(tables, cached, new, PAGE, context + new, mask=mask, tree_mask=tree)
 
 
 def sdpa_reference(q, k, v, ctx, batch: int, context: int, new: int):

@@ -11,8 +11,9 @@ Rows per query: one per head of the group (SmolLM2's 3 heads take 3 rows, so a 1
 one 64-row tile, a 32-node tree two). With a constant 3 rows per query the H200 once stored rows
 past a tile's last query despite their mask, into the next sequence's first two queries (batched
 B=32 trees; the interpreter was exact), so a group that is not a power of two is divided by a
-run-time value (the same regression tests pass on the H200). Small grids (batch 1-4) run the plan that measured faster there: the group padded to a
-power of two and one masked loop (``launch_plan``).
+run-time value (the same regression tests pass on the H200). Small grids (batch 1-4) run the plan
+that measured faster there: the group padded to a power of two and one masked loop
+(``launch_plan``).
 
 When there are fewer programs than SMs (small batches, long prefixes), the keys are split into
 ``splits`` ranges, one program each (flash-decoding); a second small kernel merges the partial
@@ -131,8 +132,8 @@ def _tree_attention_kernel(
     kv_lo = split * chunk
     kv_hi = tl.minimum(kv_end, kv_lo + chunk)
     # Whole tiles of cached keys first, then the rest (as many tiles as one loop over all would
-    # take) under the mask. A plain decode's single row pays little for its mask, less than for
-    # a second loop: it runs the masked loop only (H200: bench/results/attention_variants_h200.json).
+    # take) under the mask. launch_plan turns the first loop off for plain decode and small grids,
+    # where a second loop cost more than the mask it saves (bench/results/attention_variants*_h200.json).
     m_i = tl.full([BLOCK_M], -1.0e30, tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)

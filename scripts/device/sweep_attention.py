@@ -23,30 +23,12 @@ from pathlib import Path
 
 import torch
 
-from ddtree.bench.attention import PAGE, graph_seconds
-from ddtree.context import AttentionContext
+from ddtree.bench.attention import graph_seconds, random_case
 from ddtree.kernels.triton_attention import launch_plan, tree_attention
-from ddtree.tree import ancestor_mask
 
 SHAPE = (9, 3, 64)
 CASES = [("decode", 1, "causal"), ("drafter block", 16, "full"), ("chain", 16, "causal"),
          ("tree 4", 5, "tree"), ("tree 8", 9, "tree"), ("tree 16", 17, "tree"), ("tree 32", 33, "tree")]
-
-
-def make(batch: int, context: int, new: int, mask: str, gen: torch.Generator):
-    heads, kv_heads, dim = SHAPE
-    per_seq = -(-(context + new) // PAGE)
-    tables = torch.randperm(batch * per_seq, generator=gen).view(batch, per_seq).cuda()
-    k = torch.randn(batch * per_seq * PAGE, kv_heads, dim, device="cuda", dtype=torch.bfloat16)
-    v = torch.randn_like(k)
-    q = torch.randn(batch * new, heads, dim, device="cuda", dtype=torch.bfloat16)
-    cached = torch.full((batch,), context, device="cuda")
-    tree = None
-    if mask == "tree":
-        parents = torch.tensor([[0] + [int(torch.randint(0, i, (1,), generator=gen)) for i in range(1, new)]
-                                for _ in range(batch)])
-        tree = ancestor_mask(parents, new - 1).cuda()
-    return q, k, v, AttentionContext.uniform(tables, cached, new, PAGE, context + new, mask=mask, tree_mask=tree)
 
 
 def main() -> int:
@@ -76,7 +58,7 @@ def main() -> int:
     for context in map(int, args.contexts.split(",")):
         for batch in map(int, args.batches.split(",")):
             for name, new, mask in CASES:
-                q, k, v, ctx = make(batch, context, new, mask, gen)
+                q, k, v, ctx = random_case(SHAPE, batch, context, new, gen, mask)
                 ctx.max_keys = args.max_keys or ctx.max_keys
                 want = tree_attention(q, k, v, ctx, 0.125)
                 row = {"case": name, "batch": batch, "context": context, "new": new, "max_keys": ctx.max_keys,
