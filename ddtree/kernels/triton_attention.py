@@ -29,6 +29,7 @@ import triton
 import triton.language as tl
 
 from ddtree.context import AttentionContext
+from ddtree.kernels import sm_count
 
 _MASK_IDS = {"causal": 0, "full": 1, "tree": 2}
 
@@ -175,7 +176,6 @@ def _merge_splits_kernel(P, LSE, O, stride_ps, stride_pt, stride_ph, stride_ls, 
     tl.store(O + t * stride_ot + h * stride_oh + d, out.to(O.dtype.element_ty))
 
 
-_SM_COUNT: dict[int, int] = {}
 MAX_SPLITS = 32
 
 
@@ -185,10 +185,7 @@ def kv_splits_for(programs: int, max_keys: int, max_queries: int, device: torch.
     and prefill (more math per key). Tuned on the H200 (bench/results/attention_sweep_h200.json)."""
     if device.type != "cuda":
         return 1
-    sms = _SM_COUNT.get(device.index)
-    if sms is None:
-        sms = _SM_COUNT[device.index] = torch.cuda.get_device_properties(device).multi_processor_count
-    target = (4 if max_queries == 1 else 2) * sms
+    target = (4 if max_queries == 1 else 2) * sm_count(device)
     splits = 1
     while splits < MAX_SPLITS and programs * splits * 2 <= target and max_keys >= splits * 2 * 64:
         splits *= 2

@@ -13,9 +13,10 @@ its four outputs were thrown away, dominated, and 64 rows ran as 64 programs on 
 - One ``tl.randint4x`` per four entries. Row r's vocabulary is cut into four quarters of
   Q = ceil(V / 4); entry k * Q + j takes output k of Philox counter r * Q + j, so every
   (row, entry) has its own uniform whatever the block size or split.
-- With few rows a row's blocks are split over several programs (rows * splits ~ 4 x 132), each
+- With few rows a row's blocks are split over several programs (rows * splits ~ 4 per SM), each
   writing its best as an int64 key (score, then the smaller index); a small second kernel takes
-  each row's largest key. With 528 rows or more a program keeps a whole row and writes the index.
+  each row's largest key. With 4 rows per SM or more (528 on the H200) a program keeps a whole
+  row and writes the index.
 - Greedy rows skip the random numbers.
 
 On the H200 (one eager round each, `scripts/device/profile_batch.py`,
@@ -31,9 +32,10 @@ import torch
 import triton
 import triton.language as tl
 
+from ddtree.kernels import sm_count
 from ddtree.kernels.triton_tree import _INT64_MIN, _vocab_key
 
-_TARGET_PROGRAMS = 528  # 4 x 132 SMs of the H200
+_PROGRAMS_PER_SM = 4  # 528 programs on the H200's 132 SMs
 _NO_INDEX = tl.constexpr(2**31 - 1)
 
 
@@ -122,7 +124,7 @@ def sample_gumbel_triton(logits: torch.Tensor, temperature: torch.Tensor, seed: 
     """logits [N, T, V] fp32, temperature [N], seed: int64 [1] on the device (advanced by one
     here, on the stream, so every replay of a captured graph draws fresh numbers) -> [N, T] int64.
     ``block`` entries (a power of two >= 4) per step; ``splits`` programs per row (default: enough
-    to give the GPU ~528 programs, capped by the row's blocks)."""
+    to give the GPU ~4 programs per SM, capped by the row's blocks)."""
     N, T, V = logits.shape
     rows = N * T
     x = logits.float().contiguous()
@@ -131,7 +133,7 @@ def sample_gumbel_triton(logits: torch.Tensor, temperature: torch.Tensor, seed: 
     bq = max(1, min(block // 4, triton.next_power_of_2(quarter)))
     n_blocks = triton.cdiv(quarter, bq)
     if splits is None:
-        splits = triton.cdiv(_TARGET_PROGRAMS, max(rows, 1))
+        splits = triton.cdiv(_PROGRAMS_PER_SM * sm_count(logits.device), max(rows, 1))
     per_split = triton.cdiv(n_blocks, max(1, min(splits, n_blocks)))
     splits = triton.cdiv(n_blocks, per_split)  # no empty splits
     keys = torch.empty(rows, splits, dtype=torch.long, device=logits.device) if splits > 1 else out
