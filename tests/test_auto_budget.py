@@ -36,14 +36,23 @@ def tree_tau(cand):
 
 
 def test_candidates():
-    assert auto_candidates(64, has_drafter=True) == [("ar", 0), ("dflash", 0), ("ddtree", 8), ("ddtree", 16),
-                                                     ("ddtree", 32), ("ddtree", 64)]
-    assert auto_candidates(48, has_drafter=True)[-1] == ("ddtree", 48)
+    # 2^k - 1 nodes (2^k verified tokens fill the kernels' tiles); the cap joins unless it is one above
+    assert auto_candidates(64, has_drafter=True) == [("ar", 0), ("dflash", 0), ("ddtree", 7), ("ddtree", 15),
+                                                     ("ddtree", 31), ("ddtree", 63)]
+    assert auto_candidates(128, has_drafter=True)[-1] == ("ddtree", 127)
+    assert auto_candidates(48, has_drafter=True)[-2:] == [("ddtree", 31), ("ddtree", 48)]
+    assert auto_candidates(5, has_drafter=True)[-1] == ("ddtree", 5)
     assert auto_candidates(64, has_drafter=False) == [("ar", 0)]
 
 
+def pow2_candidates(cap: int) -> list[tuple[str, int]]:
+    """The power-of-two budgets the simulations below were written for (the controller does not
+    care which budgets it is given)."""
+    return auto_candidates(cap, True, budgets=(8, 16, 32, 64, 128))
+
+
 def test_picks_trees_when_cheap_and_plain_decoding_under_load():
-    controller = AutoBudget(auto_candidates(64, True), bucket_of=lambda n: n)
+    controller = AutoBudget(pow2_candidates(64), bucket_of=lambda n: n)
 
     def cost(n, cand):  # verify cost grows with the tokens verified, steeply at large batches
         tokens = {"ar": 1, "dflash": 16}.get(cand[0], cand[1] + 1)
@@ -83,7 +92,7 @@ def test_exploration_loses_at_most_its_budget_under_load():
 def test_a_stall_does_not_freeze_out_the_best_candidate():
     """A step that captured a graph is not timed, and one slow step (GC, another process)
     does not move the cost estimate (median of recent steps), so the best tree stays the choice."""
-    controller = AutoBudget(auto_candidates(16, True), bucket_of=lambda n: n)
+    controller = AutoBudget(pow2_candidates(16), bucket_of=lambda n: n)
 
     def cost(n, cand):
         return {"ar": 1.0, "dflash": 1.2}.get(cand[0], 1.2)
@@ -103,7 +112,7 @@ def test_costs_are_the_startup_curve_plus_measured_host_overhead():
     """Until a candidate has steps of its own, its cost is the start-up curve plus the host
     overhead measured on other rounds of its class: speculative rounds share theirs, plain
     decoding keeps its own."""
-    controller = AutoBudget(auto_candidates(16, True), bucket_of=lambda n: n)
+    controller = AutoBudget(pow2_candidates(16), bucket_of=lambda n: n)
     controller.prior = {(1, c): 1.0 + i / 10 for i, c in enumerate(controller.candidates)}
     chain, tree, plain = ("dflash", 0), ("ddtree", 16), ("ar", 0)
     for _ in range(5):
@@ -177,7 +186,7 @@ def test_stale_class_overhead_does_not_lock_plain_decoding_out_of_fresh_rounds()
 def test_own_step_times_replace_a_wrong_startup_curve():
     """The start-up curve says the chain is as cheap as plain decoding; its real steps take twice
     as long. Once the chain has run a few steps, its own times decide and plain decoding wins."""
-    controller = AutoBudget(auto_candidates(8, True), bucket_of=lambda n: n)
+    controller = AutoBudget(pow2_candidates(8), bucket_of=lambda n: n)
     controller.prior = {(16, c): 1.0 for c in controller.candidates}
     real = {"ar": 1.0, "dflash": 2.0, "ddtree": 3.0}
     run(controller, 16, 100, tree_tau, lambda n, c: real[c[0]])
@@ -190,7 +199,7 @@ def test_own_step_times_replace_a_wrong_startup_curve():
 def test_exploration_reaches_trees_that_are_not_neighbours_of_the_best():
     """Plain decoding leads, the chain is clearly worse, a tree is close: the tree is retried
     (not only the chain next to plain decoding), so a stale tau estimate gets corrected."""
-    controller = AutoBudget(auto_candidates(32, True), bucket_of=lambda n: n)
+    controller = AutoBudget(pow2_candidates(32), bucket_of=lambda n: n)
     cost = {"ar": 1.0, "dflash": 2.0, "ddtree": 1.5}
     tau = {("ar", 0): 1.0, ("dflash", 0): 1.2}
     stale = lambda c: tau.get(c, 1.4)  # noqa: E731 - trees looked worse than plain decoding
@@ -223,7 +232,7 @@ def test_auto_rate_close_to_the_best_in_simulation():
                 length += 1
             return length
 
-        controller = AutoBudget(auto_candidates(128, True), bucket_of=lambda n: n)
+        controller = AutoBudget(pow2_candidates(128), bucket_of=lambda n: n)
         controller.prior = {(1, c): 0.95 * v for c, v in cost.items()}  # graph time, no host work
         tokens = ms = 0.0
         for step in range(600):
@@ -237,7 +246,7 @@ def test_auto_rate_close_to_the_best_in_simulation():
 
 
 def test_tau_is_monotone_in_the_budget():
-    controller = AutoBudget(auto_candidates(32, True), bucket_of=lambda n: n, min_tries=1)
+    controller = AutoBudget(pow2_candidates(32), bucket_of=lambda n: n, min_tries=1)
     for cand, tau in [(("ar", 0), 1.0), (("dflash", 0), 1.5), (("ddtree", 8), 2.0), (("ddtree", 16), 1.2),
                       (("ddtree", 32), 1.1)]:
         controller.observe(1, cand, 1.0, tau)
@@ -268,13 +277,13 @@ def test_a_tree_step_gives_every_smaller_tree_its_accepted_length(smol, tokenize
     seen = []
     observe_tau = llm.engine.auto.observe_tau
     llm.engine.auto.observe_tau = lambda cand, tau: (seen.append((cand, tau)), observe_tau(cand, tau))
-    fixed = {b: make_llm(smol, tokenizer, method="ddtree", budget=b, drafter=SHIPPED) for b in (8, 16)}
+    fixed = {b: make_llm(smol, tokenizer, method="ddtree", budget=b, drafter=SHIPPED) for b in (7, 31)}
     checked = 0
     for p in prompts[:5]:
         seen.clear()
         llm.generate([p], params)
-        predicted = {cand[1]: tau for cand, tau in seen[:3]}  # the first step's samples
-        assert set(predicted) == {8, 16, 32}
+        predicted = {cand[1]: tau for cand, tau in seen[:4]}  # the first step's samples
+        assert set(predicted) == {7, 15, 31, 32}
         for b, other in fixed.items():
             actual = other.generate([p], params)[0].metrics.accepted_lengths[0]
             assert predicted[b] == actual, (b, predicted, actual)

@@ -68,14 +68,22 @@ from __future__ import annotations
 import statistics
 from collections import deque
 
-AUTO_BUDGETS = (8, 16, 32, 64, 128)
+# One below powers of two: a tree of b nodes verifies b + 1 tokens (the root too), and 2^k tokens
+# fill the kernels' tiles where 2^k + 1 spill into one more (at batch 1, a 64-node tree's 65 queries
+# x 4 rows take five 64-row attention tiles, 63 nodes take four; the tree kernel's ancestor mask
+# pads 65 columns to 128). The node dropped is the tree's least likely.
+AUTO_BUDGETS = (7, 15, 31, 63, 127)
 
 
-def auto_candidates(cap: int, has_drafter: bool) -> list[tuple[str, int]]:
-    """Candidates in increasing cost order: plain, chain, then trees up to budget ``cap``."""
+def auto_candidates(cap: int, has_drafter: bool, budgets=AUTO_BUDGETS) -> list[tuple[str, int]]:
+    """Candidates in increasing cost order: plain, chain, then trees of ``budgets`` up to ``cap``
+    (the cap itself unless it is one node above a candidate, e.g. 128 beside 127)."""
     if not has_drafter:
         return [("ar", 0)]
-    budgets = sorted({b for b in AUTO_BUDGETS if b <= cap} | ({cap} if cap > 0 else set()))
+    budgets = {b for b in budgets if b <= cap}
+    if cap > 0 and cap - 1 not in budgets:
+        budgets.add(cap)
+    budgets = sorted(budgets)
     return [("ar", 0), ("dflash", 0)] + [("ddtree", b) for b in budgets]
 
 
