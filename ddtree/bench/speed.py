@@ -223,7 +223,7 @@ def main(argv=None) -> int:
 
     p = argparse.ArgumentParser(prog="ddtree bench", description=__doc__)
     add_engine_args(p)
-    p.add_argument("--methods", default="ar,dflash,ddtree:16,ddtree:32,ddtree:64,ddtree:128,auto")
+    p.add_argument("--methods", default="ar,dflash,ddtree:15,ddtree:31,ddtree:63,ddtree:127,auto")  # auto's budgets
     p.add_argument("--concurrency", default="1,4,16,64")
     p.add_argument("--temperatures", default="0,1")
     p.add_argument("--datasets", default="humaneval,mtbench")
