@@ -69,9 +69,11 @@ import statistics
 from collections import deque
 
 # One below powers of two: a tree of b nodes verifies b + 1 tokens (the root too), and 2^k tokens
-# fill the kernels' tiles where 2^k + 1 spill into one more (at batch 1, a 64-node tree's 65 queries
-# x 4 rows take five 64-row attention tiles, 63 nodes take four; the tree kernel's ancestor mask
-# pads 65 columns to 128). The node dropped is the tree's least likely.
+# fill the kernels' tiles where 2^k + 1 spill into one more (the tree kernel pads a 65-column
+# ancestor mask to 128; a 65-query tree takes five 64-row attention tiles at batch 1, 64 take four).
+# On the H200 (bench_h200_final.json) B=63 built in 86-90 us against B=64's 104-108 but verified
+# in 15 us more, rounds 0.2-0.7 % shorter; B=31 rounds were 0-3 % shorter than B=32's of an earlier
+# grid at c=4-16. The node dropped is the tree's least likely (tau the same within noise).
 AUTO_BUDGETS = (7, 15, 31, 63, 127)
 
 
