@@ -332,9 +332,41 @@ def test_triton_topk_matches_topk_per_depth(k, vocab, chunk, use_tl_topk, skip):
     x[1, 0, :vocab // 2] = -0.0
     x[2, 1, :min(k + 2, vocab)] = 5.0 + torch.arange(min(k + 2, vocab)).float()  # one chunk holds the top
     want = topk_per_depth(x, k)
-    got = topk_triton(x.to(DEVICE), k, chunk, use_tl_topk=use_tl_topk, skip=skip)  # small chunks: many boundaries
+    got = topk_triton(x.to(DEVICE), k, chunk, use_tl_topk=use_tl_topk, skip=skip,  # small chunks: many boundaries
+                      method="chunk")
     assert torch.equal(got[1].cpu(), want[1])
     assert torch.equal(got[0].cpu(), want[0])
+
+
+# Small caps (the interpreter is slow): the heavy-tie rows overflow them and take the exact row
+# scan, the others fit; on CUDA also the vocabularies and k the engine runs.
+@pytest.mark.parametrize("k,vocab,small,big,cap", [(2, 9, None, 2048, 4), (5, 50, 8, 16, 16),
+                                                   (3, 100, 8, 32, 8), (12, 200, None, 64, 32)]
+                         + ([(7, 49152, None, 2048, 1024), (63, 49152, None, 2048, 1024),
+                             (127, 49152, None, 2048, 1024), (31, 151936, None, 2048, 512)] if CUDA else []))
+@needs_kernels
+def test_threshold_topk_matches_topk_per_depth(k, vocab, small, big, cap):
+    """The threshold plan gives exactly the shared top-k (values and ids, ties to the smaller id,
+    -0.0 == +0.0), whether a row's candidates fit the cap or overflow it into the exact scan; a
+    row whose top entries all sit in one chunk (the threshold far below its k-th value); logits
+    normalised to the log-softmax's values."""
+    from ddtree.kernels.triton_tree import topk_threshold_triton
+    from ddtree.tree import topk_per_depth
+    gen = torch.Generator().manual_seed(k + vocab)
+    x = torch.log_softmax(torch.randn(3, 3, vocab, generator=gen) * 3, -1)
+    x[1] = torch.randint(-3, 1, (3, vocab), generator=gen).float()  # heavy ties
+    x[1, 0, :vocab // 2] = -0.0
+    x[2, 1, :min(k + 2, vocab)] = 5.0 + torch.arange(min(k + 2, vocab)).float()  # one chunk holds the top
+    want = topk_per_depth(x, k)
+    got = topk_threshold_triton(x.to(DEVICE), k, small, big, cap)
+    assert torch.equal(got[1].cpu(), want[1])
+    assert torch.equal(got[0].cpu(), want[0])
+    logits = x[0] * 2 + 7
+    vals, ids = topk_threshold_triton(logits.to(DEVICE), k, small, big, cap, normalize=True)
+    want_ids = topk_per_depth(logits, k)[1]
+    assert torch.equal(ids.cpu(), want_ids)
+    assert torch.allclose(vals.cpu().double(), torch.log_softmax(logits.double(), -1).gather(-1, want_ids),
+                          atol=2e-5, rtol=0)
 
 
 @pytest.mark.parametrize("k,vocab,chunk", [(1, 7, None), (4, 100, 8), (32, 300, 64)]

@@ -241,6 +241,138 @@ def _merge_topk_kernel(KEYS, X, STATS, OUT_V, OUT_I, stride_x, V, K, N_CAND, N_C
     tl.store(OUT_I + r * K + j, idx, mask=keep)
 
 
+@triton.jit
+def _ordered(x):
+    """fp32 -> int32 with the same order as ``_vocab_key``'s high half (-0.0 == +0.0)."""
+    bits = (x + 0.0).to(tl.int32, bitcast=True)
+    return tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
+
+
+@triton.jit
+def _small_chunk_kernel(X, MAXES, STATS, COUNT, stride_x, V, SMALL: tl.constexpr):
+    """One small vocabulary chunk of one row: its largest value (as ``_ordered``), and its max and
+    sum of exponentials for the logsumexp. Also zeroes the row's candidate count."""
+    r = tl.program_id(0).to(tl.int64)
+    c = tl.program_id(1)
+    idx = c * SMALL + tl.arange(0, SMALL)
+    ok = idx < V
+    x = tl.load(X + r * stride_x + idx, mask=ok, other=0.0)
+    slot = r * tl.num_programs(1) + c
+    tl.store(MAXES + slot, tl.max(tl.where(ok, _ordered(x), -2147483647 - 1), 0))
+    xs = tl.where(ok, x, float("-inf"))
+    m = tl.max(xs, 0)
+    tl.store(STATS + slot * 2, m)
+    tl.store(STATS + slot * 2 + 1, tl.sum(tl.exp(xs - m), 0))
+    if c == 0:
+        tl.store(COUNT + r, 0)
+
+
+@triton.jit
+def _collect_kernel(X, MAXES, COUNT, CAND, stride_x, V, K, N_SMALL, CAP,
+                    BIG: tl.constexpr, NS_P2: tl.constexpr, KP: tl.constexpr):
+    """The row's threshold is its K-th largest small-chunk max: K chunks reach it, so at least K
+    entries do, and every top-K entry is at least the K-th largest value >= it. Each big chunk
+    appends the keys of its entries at or above it to the row's candidate list (order free)."""
+    r = tl.program_id(0).to(tl.int64)
+    c = tl.program_id(1)
+    j = tl.arange(0, NS_P2)
+    maxes = tl.load(MAXES + r * N_SMALL + j, mask=j < N_SMALL, other=-2147483647 - 1)
+    best = tl.topk(maxes, KP)  # descending
+    threshold = tl.min(tl.where(tl.arange(0, KP) < K, best, 2147483647), 0)
+    idx = c * BIG + tl.arange(0, BIG)
+    ok = idx < V
+    x = tl.load(X + r * stride_x + idx, mask=ok, other=0.0)
+    take = ok & (_ordered(x) >= threshold)
+    n = tl.sum(take.to(tl.int32), 0)
+    if n > 0:
+        base = tl.atomic_add(COUNT + r, n)
+        pos = base + tl.cumsum(take.to(tl.int32), 0) - 1
+        tl.store(CAND + r * CAP + pos, _vocab_key(x, idx, V), mask=take & (pos < CAP))
+
+
+@triton.jit
+def _select_kernel(CAND, COUNT, X, STATS, OUT_V, OUT_I, stride_x, V, K, N_SMALL,
+                   CAP: tl.constexpr, KP: tl.constexpr, NS_P2: tl.constexpr, NORMALIZE: tl.constexpr):
+    """The K largest candidate keys -> values (minus the logsumexp if NORMALIZE) and ids. A row with
+    more candidates than CAP (ties at the threshold, a flat row) scans its whole row exactly."""
+    r = tl.program_id(0).to(tl.int64)
+    count = tl.load(COUNT + r)
+    if count <= CAP:
+        j = tl.arange(0, CAP)
+        top = tl.topk(tl.load(CAND + r * CAP + j, mask=j < count, other=_INT64_MIN), KP)
+    else:
+        top = tl.full([KP], _INT64_MIN, tl.int64)
+        for c0 in range(0, V, CAP):
+            idx = c0 + tl.arange(0, CAP)
+            ok = idx < V
+            x = tl.load(X + r * stride_x + idx, mask=ok, other=0.0)
+            chunk = tl.topk(tl.where(ok, _vocab_key(x, idx, V), _INT64_MIN), KP)
+            top = tl.topk(tl.reshape(tl.join(top, chunk), [2 * KP]), KP)
+    idx = (V - 1) - (top & 0xFFFFFFFF)
+    j = tl.arange(0, KP)
+    keep = j < K
+    val = tl.load(X + r * stride_x + idx, mask=keep, other=0.0)
+    if NORMALIZE:
+        c = tl.arange(0, NS_P2)
+        m = tl.load(STATS + (r * N_SMALL + c) * 2, mask=c < N_SMALL, other=float("-inf"))
+        s = tl.load(STATS + (r * N_SMALL + c) * 2 + 1, mask=c < N_SMALL, other=0.0)
+        peak = tl.max(m, 0)
+        val = val - (peak + tl.log(tl.sum(s * tl.exp(m - peak), 0)))
+    tl.store(OUT_V + r * K + j, val, mask=keep)
+    tl.store(OUT_I + r * K + j, idx, mask=keep)
+
+
+def threshold_plan(vocab: int, k: int, small: int = 128) -> int | None:
+    """Small-chunk size for ``topk_threshold_triton`` (at least 4k chunks where the vocabulary
+    allows it, so the threshold sits near the k-th value), or None where it cannot run: fewer
+    than k chunks, or k above 128."""
+    kp = triton.next_power_of_2(k)
+    if not 1 < kp <= 128:  # Triton 3.6's tl.topk fails to compile for k = 1
+        return None
+    while small > 8 and triton.cdiv(vocab, small) < 4 * k:
+        small //= 2
+    return small if triton.cdiv(vocab, small) >= k else None
+
+
+def use_threshold_plan(rows: int, vocab: int, k: int) -> bool:
+    """Where the threshold plan beats the chunk plan (placeholder until the H200 sweep)."""
+    return rows <= 240 and threshold_plan(vocab, k) is not None
+
+
+def topk_threshold_triton(logprobs: torch.Tensor, k: int, small: int | None = None, big: int = 2048,
+                          cap: int = 1024, normalize: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """``topk_per_depth`` (1 < k <= 128) in three launches that sort only a few candidates per
+    row instead of every chunk's top k: the max of each small chunk, then every entry at or above
+    the row's k-th largest chunk max joins the row's candidates (at least k, usually 1-2k), then
+    one program per row selects the k best of them. ``cap``: candidates kept per row; a row with
+    more scans its row exactly instead (slow, rare: ties or a flat distribution at the cut)."""
+    x = logprobs.float()
+    *lead, V = x.shape
+    x2 = x.reshape(-1, V)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    R = x2.shape[0]
+    small = small or threshold_plan(V, k)
+    assert small is not None and triton.cdiv(V, small) >= k, "threshold_plan: this k cannot use it"
+    kp = triton.next_power_of_2(k)
+    n_small = triton.cdiv(V, small)
+    ns_p2 = max(kp, triton.next_power_of_2(n_small))
+    big = min(big, max(small, triton.next_power_of_2(V)))
+    maxes = torch.empty(R, n_small, device=x.device, dtype=torch.int32)
+    stats = torch.empty(R, n_small, 2, device=x.device, dtype=torch.float32)
+    count = torch.empty(R, device=x.device, dtype=torch.int32)
+    cand = torch.empty(R, cap, device=x.device, dtype=torch.int64)
+    _small_chunk_kernel[(R, n_small)](x2, maxes, stats, count, x2.stride(0), V, SMALL=small,
+                                      num_warps=1 if small <= 256 else 4)
+    _collect_kernel[(R, triton.cdiv(V, big))](x2, maxes, count, cand, x2.stride(0), V, k, n_small, cap,
+                                              BIG=big, NS_P2=ns_p2, KP=kp, num_warps=4)
+    vals = torch.empty(R, k, device=x.device, dtype=torch.float32)
+    ids = torch.empty(R, k, device=x.device, dtype=torch.int64)
+    _select_kernel[(R,)](cand, count, x2, stats, vals, ids, x2.stride(0), V, k, n_small, CAP=cap, KP=kp,
+                         NS_P2=ns_p2, NORMALIZE=normalize, num_warps=4)
+    return vals.view(*lead, k), ids.view(*lead, k)
+
+
 def _topk_plan(rows: int, k: int) -> tuple[int, int, int]:
     """(chunk, chunk-kernel warps, merge warps), from sweeps on the H200 at V = 49152
     (bench/results/topk_sweep_h200.json, and with the skip rule topk_skip_sweep_h200.json): small
@@ -253,7 +385,7 @@ def _topk_plan(rows: int, k: int) -> tuple[int, int, int]:
 def topk_triton(logprobs: torch.Tensor, k: int, chunk: int | None = None,
                 warps: tuple[int, int] | None = None,
                 use_tl_topk: bool = HAS_TL_TOPK, normalize: bool = False,
-                skip: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+                skip: bool = True, method: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
     """``topk_per_depth`` (0 < k < V) in four launches: each chunk's max (and sum of
     exponentials), each row's k-th largest chunk max, then each chunk that can hold a top-k entry
     (max at least that) sorts itself and keeps its k best keys, then one program per row sorts the
@@ -265,7 +397,13 @@ def topk_triton(logprobs: torch.Tensor, k: int, chunk: int | None = None,
     Replaces an int64 radix select over the whole vocabulary (8 passes of 4 kernels, ~70 us on an
     H200 for 15 x 49152 and k = 32). ``chunk``: vocabulary entries per program (a power of two
     >= k; default from the plan); ``warps``: (chunk kernel, merge kernel) warp counts (default
-    from the plan); ``skip``: sort only the chunks that can win (off: every chunk, as before)."""
+    from the plan); ``skip``: sort only the chunks that can win (off: every chunk, as before).
+    ``method``: "chunk" (this), "threshold" (``topk_threshold_triton``), or "auto": the threshold
+    plan where ``use_threshold_plan`` says it is faster."""
+    if method == "threshold" or (method == "auto" and chunk is None and warps is None
+                                 and use_threshold_plan(logprobs.numel() // logprobs.shape[-1],
+                                                        logprobs.shape[-1], k)):
+        return topk_threshold_triton(logprobs, k, normalize=normalize)
     x = logprobs.float()
     *lead, V = x.shape
     x2 = x.reshape(-1, V)
