@@ -322,30 +322,37 @@ def _select_kernel(CAND, COUNT, X, STATS, OUT_V, OUT_I, stride_x, V, K, N_SMALL,
     tl.store(OUT_I + r * K + j, idx, mask=keep)
 
 
-def threshold_plan(vocab: int, k: int, small: int = 128) -> int | None:
-    """Small-chunk size for ``topk_threshold_triton`` (at least 4k chunks where the vocabulary
-    allows it, so the threshold sits near the k-th value), or None where it cannot run: fewer
-    than k chunks, or k above 128."""
+def threshold_plan(vocab: int, k: int, small: int = 256) -> int | None:
+    """Small-chunk size for ``topk_threshold_triton``: 256 (fastest at every batch and k in the H200
+    sweep, ``topk_threshold_sweep_h200.json``), halved until there are 1.5k chunks, so that the
+    k-th largest chunk max stays near the k-th value; None where it cannot run (fewer than k
+    chunks, or k = 1 or above 128)."""
     kp = triton.next_power_of_2(k)
     if not 1 < kp <= 128:  # Triton 3.6's tl.topk fails to compile for k = 1
         return None
-    while small > 8 and triton.cdiv(vocab, small) < 4 * k:
+    while small > 8 and triton.cdiv(vocab, small) * 2 < 3 * k:
         small //= 2
     return small if triton.cdiv(vocab, small) >= k else None
 
 
 def use_threshold_plan(rows: int, vocab: int, k: int) -> bool:
-    """Where the threshold plan beats the chunk plan (placeholder until the H200 sweep)."""
-    return rows <= 240 and threshold_plan(vocab, k) is not None
+    """Where the threshold plan beat the chunk plan in the H200 sweep (rows = batch x 15 depths,
+    V = 49152, ``topk_threshold_sweep_h200.json``): batch 1 at every k (k = 63: 35.0 -> 11.5 us),
+    k >= 15 at batch 4, k >= 31 at any batch (batch 64, k = 31: 390 -> 299 us). At small k and
+    many rows the chunk plan sorts fewer entries (only the chunks that can win), and wins."""
+    if threshold_plan(vocab, k) is None:
+        return False
+    return rows <= 16 or (rows <= 64 and k >= 15) or k >= 31
 
 
 def topk_threshold_triton(logprobs: torch.Tensor, k: int, small: int | None = None, big: int = 2048,
-                          cap: int = 1024, normalize: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+                          cap: int | None = None, normalize: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """``topk_per_depth`` (1 < k <= 128) in three launches that sort only a few candidates per
     row instead of every chunk's top k: the max of each small chunk, then every entry at or above
     the row's k-th largest chunk max joins the row's candidates (at least k, usually 1-2k), then
-    one program per row selects the k best of them. ``cap``: candidates kept per row; a row with
-    more scans its row exactly instead (slow, rare: ties or a flat distribution at the cut)."""
+    one program per row selects the k best of them. ``cap``: candidates kept per row (default 4x
+    k rounded up to a power of two, at least 64; the sweep's rows had at most 1.4k); a row with
+    more scans its row exactly instead (slow, rare: ties at the cut)."""
     x = logprobs.float()
     *lead, V = x.shape
     x2 = x.reshape(-1, V)
@@ -355,6 +362,7 @@ def topk_threshold_triton(logprobs: torch.Tensor, k: int, small: int | None = No
     small = small or threshold_plan(V, k)
     assert small is not None and triton.cdiv(V, small) >= k, "threshold_plan: this k cannot use it"
     kp = triton.next_power_of_2(k)
+    cap = cap or max(64, 4 * kp)
     n_small = triton.cdiv(V, small)
     ns_p2 = max(kp, triton.next_power_of_2(n_small))
     big = min(big, max(small, triton.next_power_of_2(V)))

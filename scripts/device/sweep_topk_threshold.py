@@ -2,7 +2,7 @@
 chunk plan (every chunk keeps its k best, one merge per row; ``topk_triton``'s default before)
 against the threshold plan (``topk_threshold_triton``: small-chunk maxima -> a threshold -> only
 the entries above it are sorted), for rows = batch x 15 depths at the SmolLM2 vocabulary, over a
-grid of its chunk sizes and candidate caps. Logits like the drafter's (fp32; normalised in the
+grid of its chunk sizes and candidate caps (the plan's first). Logits like the drafter's (fp32; normalised in the
 top-k, as the round runs it): "spread" (randn * 3), "deep" (one token 12 logits ahead per row).
 Each row also gives the candidates per row (mean, max) and checks both plans against the shared
 top-k. python scripts/device/sweep_topk_threshold.py --out $OUT/topk_threshold_sweep_h200.json"""
@@ -36,21 +36,26 @@ def candidates(x: torch.Tensor, k: int, small: int) -> torch.Tensor:
 p = argparse.ArgumentParser()
 p.add_argument("--out", default="topk_threshold_sweep.json")
 p.add_argument("--vocab", type=int, default=49152)
+p.add_argument("--kinds", default="spread,deep")
 args = p.parse_args()
 V, rows = args.vocab, []
-for kind in ("spread", "deep"):
+for kind in args.kinds.split(","):
     for batch in (1, 4, 16, 64):
         R = batch * 15
         x = logits_like(kind, R, V)
         for k in (7, 15, 31, 63, 127):
-            want = topk_per_depth(torch.log_softmax(x, -1), k)
+            # ids: the logits' own top-k (log_softmax's rounding can tie entries the logits do not)
+            want_ids = topk_per_depth(x, k)[1]
+            want = (torch.log_softmax(x.double(), -1).gather(-1, want_ids).float(), want_ids)
             chunk = lambda: triton_tree.topk_triton(x, k, normalize=True, method="chunk")  # noqa: E731
             got = chunk()
             assert torch.equal(got[1], want[1]) and torch.allclose(got[0], want[0], atol=2e-5)
             row = {"kind": kind, "batch": batch, "rows": R, "vocab": V, "k": k,
                    "chunk_plan_us": graph_seconds(chunk) * 1e6, "threshold": []}
-            for small, big, cap in [(128, 2048, 1024), (64, 2048, 1024), (256, 2048, 1024), (128, 1024, 1024),
-                                    (128, 4096, 1024), (128, 2048, 512 if k < 64 else 1024)]:
+            plan_small = triton_tree.threshold_plan(V, k)
+            plan_cap = max(64, 4 * triton.next_power_of_2(k))
+            for small, big, cap in [(plan_small, 2048, plan_cap), (plan_small, 4096, plan_cap),
+                                    (plan_small, 8192, plan_cap), (plan_small, 2048, 1024), (128, 2048, plan_cap)]:
                 if triton.cdiv(V, small) < k:
                     continue
                 run = lambda: triton_tree.topk_threshold_triton(x, k, small, big, cap, normalize=True)  # noqa: E731
