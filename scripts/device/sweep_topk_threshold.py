@@ -28,7 +28,8 @@ def candidates(x: torch.Tensor, k: int, small: int) -> torch.Tensor:
     """Entries per row at or above the row's k-th largest small-chunk max (what the plan sorts)."""
     R, V = x.shape
     pad = torch.full((R, triton.cdiv(V, small) * small - V), float("-inf"), device=x.device)
-    maxes = torch.cat([x, pad], 1).view(R, -1, small).amax(-1)
+    ns = triton.cdiv(V, small)  # the kernel's interleaved chunks: runs of 8 ids, ns * 8 apart
+    maxes = torch.cat([x, pad], 1).view(R, small // 8, ns, 8).amax((1, 3))
     threshold = maxes.topk(k, -1).values[:, -1:]
     return (x >= threshold).sum(-1).float()
 
