@@ -329,7 +329,7 @@ def _select_kernel(CAND, COUNT, X, STATS, OUT_V, OUT_I, stride_x, V, K, N_SMALL,
 
 def threshold_plan(vocab: int, k: int, small: int = 256) -> int | None:
     """Small-chunk size for ``topk_threshold_triton``: 256 (fastest at every batch and k in the H200
-    sweep, ``topk_threshold_sweep_h200.json``), halved until there are 1.5k chunks, so that the
+    sweep, ``topk_threshold_sweep_h200.json``, run before the chunks were interleaved), halved until there are 1.5k chunks, so that the
     k-th largest chunk max stays near the k-th value; None where it cannot run (fewer than k
     chunks, or k = 1 or above 128)."""
     kp = triton.next_power_of_2(k)
