@@ -310,6 +310,17 @@ def test_triton_tree_builder_matches_torch_builder(budget, depth, vocab):
     assert got[3][:, 0, 0].all() and got[3].sum() > 0
 
 
+def topk_inputs(k: int, vocab: int) -> torch.Tensor:
+    """[3, 3, vocab] log-probs: spread rows, heavy ties (-0.0 among them), and a row whose top
+    k+2 entries sit together (one chunk holds the whole top)."""
+    gen = torch.Generator().manual_seed(k + vocab)
+    x = torch.log_softmax(torch.randn(3, 3, vocab, generator=gen) * 3, -1)
+    x[1] = torch.randint(-3, 1, (3, vocab), generator=gen).float()
+    x[1, 0, :vocab // 2] = -0.0
+    x[2, 1, :min(k + 2, vocab)] = 5.0 + torch.arange(min(k + 2, vocab)).float()
+    return x
+
+
 # skip=False only where it changes the path (k below the chunk count); the interpreter is slow.
 @pytest.mark.parametrize("k,vocab,chunk,skip", [(1, 7, None, True), (5, 50, 8, True), (5, 50, 8, False),
                                                (3, 100, 8, True), (3, 100, 8, False), (32, 300, 64, True),
@@ -326,11 +337,7 @@ def test_triton_topk_matches_topk_per_depth(k, vocab, chunk, use_tl_topk, skip):
     one chunk (ranks 2..k of the other chunks' maxima lose to it) tests the skip rule's bound."""
     from ddtree.kernels.triton_tree import topk_triton
     from ddtree.tree import topk_per_depth
-    gen = torch.Generator().manual_seed(k + vocab)
-    x = torch.log_softmax(torch.randn(3, 3, vocab, generator=gen) * 3, -1)
-    x[1] = torch.randint(-3, 1, (3, vocab), generator=gen).float()  # heavy ties
-    x[1, 0, :vocab // 2] = -0.0
-    x[2, 1, :min(k + 2, vocab)] = 5.0 + torch.arange(min(k + 2, vocab)).float()  # one chunk holds the top
+    x = topk_inputs(k, vocab)
     want = topk_per_depth(x, k)
     got = topk_triton(x.to(DEVICE), k, chunk, use_tl_topk=use_tl_topk, skip=skip,  # small chunks: many boundaries
                       method="chunk")
@@ -352,11 +359,7 @@ def test_threshold_topk_matches_topk_per_depth(k, vocab, small, big, cap):
     normalised to the log-softmax's values."""
     from ddtree.kernels.triton_tree import topk_threshold_triton
     from ddtree.tree import topk_per_depth
-    gen = torch.Generator().manual_seed(k + vocab)
-    x = torch.log_softmax(torch.randn(3, 3, vocab, generator=gen) * 3, -1)
-    x[1] = torch.randint(-3, 1, (3, vocab), generator=gen).float()  # heavy ties
-    x[1, 0, :vocab // 2] = -0.0
-    x[2, 1, :min(k + 2, vocab)] = 5.0 + torch.arange(min(k + 2, vocab)).float()  # one chunk holds the top
+    x = topk_inputs(k, vocab)
     want = topk_per_depth(x, k)
     got = topk_threshold_triton(x.to(DEVICE), k, small, big, cap)
     assert torch.equal(got[1].cpu(), want[1])

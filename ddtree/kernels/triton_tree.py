@@ -228,6 +228,14 @@ def _merge_topk_kernel(KEYS, X, STATS, OUT_V, OUT_I, stride_x, V, K, N_CAND, N_C
         j = tl.arange(0, KP)
     else:
         key = tl.sort(key, descending=True)
+    _store_top(key, j, X, STATS, OUT_V, OUT_I, r, stride_x, V, K, N_CHUNKS, NC_P2, NORMALIZE)
+
+
+@triton.jit
+def _store_top(key, j, X, STATS, OUT_V, OUT_I, r, stride_x, V, K, N_CHUNKS, NC_P2: tl.constexpr,
+               NORMALIZE: tl.constexpr):
+    """Row r's first K of the sorted keys -> values (gathered from X, minus the row's logsumexp
+    from its chunk stats if NORMALIZE) and token ids."""
     idx = (V - 1) - (key & 0xFFFFFFFF)
     keep = j < K
     val = tl.load(X + r * stride_x + idx, mask=keep, other=0.0)
@@ -313,18 +321,7 @@ def _select_kernel(CAND, COUNT, X, STATS, OUT_V, OUT_I, stride_x, V, K, N_SMALL,
             x = tl.load(X + r * stride_x + idx, mask=ok, other=0.0)
             chunk = tl.topk(tl.where(ok, _vocab_key(x, idx, V), _INT64_MIN), KP)
             top = tl.topk(tl.reshape(tl.join(top, chunk), [2 * KP]), KP)
-    idx = (V - 1) - (top & 0xFFFFFFFF)
-    j = tl.arange(0, KP)
-    keep = j < K
-    val = tl.load(X + r * stride_x + idx, mask=keep, other=0.0)
-    if NORMALIZE:
-        c = tl.arange(0, NS_P2)
-        m = tl.load(STATS + (r * N_SMALL + c) * 2, mask=c < N_SMALL, other=float("-inf"))
-        s = tl.load(STATS + (r * N_SMALL + c) * 2 + 1, mask=c < N_SMALL, other=0.0)
-        peak = tl.max(m, 0)
-        val = val - (peak + tl.log(tl.sum(s * tl.exp(m - peak), 0)))
-    tl.store(OUT_V + r * K + j, val, mask=keep)
-    tl.store(OUT_I + r * K + j, idx, mask=keep)
+    _store_top(top, tl.arange(0, KP), X, STATS, OUT_V, OUT_I, r, stride_x, V, K, N_SMALL, NS_P2, NORMALIZE)
 
 
 def threshold_plan(vocab: int, k: int, small: int = 256) -> int | None:
