@@ -11,7 +11,12 @@
 #   bash scripts/device/train_continue.sh finish   # carry .stage/eval_prompts.json: train to the
 #                                                  # end, export (split for $OUT), tau old and new
 #   bash scripts/device/train_continue.sh measure  # carry .stage/eval_prompts.json: the grid with
-#                                                  # the better of the two drafters
+#                                                  # the better of the two drafters (METHODS=...)
+# The run's checkpoint lives in the machine's /tmp (its optimizer state is too big for $OUT), so
+# `start` also brings its weights back (partial_model.safetensors.p*, partial_small.tar): if the
+# machine goes back between calls (it did on 2026-12-03, after phase 5's first call), restage,
+# rebuild the folder from those files, carry it and rerun `start` with INIT=<folder>: a fresh
+# optimizer and cosine from the partial weights instead of starting the phase over.
 set -euo pipefail
 export PYTHONPATH=/tmp/site:$PWD DDTREE_CACHE_DIR=/tmp/ddcache PYTHONUNBUFFERED=1 TQDM_MININTERVAL=30
 G=/tmp/stage/SmolLM2-135M-Instruct.Q4_1.gguf
@@ -19,7 +24,7 @@ SHIPPED=ddtree/drafters/SmolLM2-135M-Instruct-DFlash
 T0=$(date +%s)
 minutes_left() { python3 -c "print(max(0.5, ($1 - ($(date +%s) - $T0)) / 60))"; }  # of a budget in s
 TRAIN="python3 -m ddtree.cli train-drafter train --data /tmp/resp_greedy.pt /tmp/resp_t1.pt --target $G
-  --init $SHIPPED --batch-size 32 --anchors 64 --lr ${LR:-3e-4} --distill 0.5 --run-dir /tmp/run4"
+  --init ${INIT:-$SHIPPED} --batch-size 32 --anchors 64 --lr ${LR:-3e-4} --distill 0.5 --run-dir /tmp/run4"
 gen() {  # out, temperatures, seed
   python3 -m ddtree.cli train-drafter generate --prompts /tmp/stage/train_prompts.jsonl --out "$1" --target $G \
     --max-new-tokens 256 --chunk 2048 --max-num-seqs 256 --kv-cache-gb 24 --max-minutes 1.5 \
@@ -32,9 +37,12 @@ start)
   md5sum $G
   gen /tmp/resp_greedy.pt 0 0 | tee $OUT/responses_greedy.json
   gen /tmp/resp_t1.pt 1 ${T1_SEED:?set T1_SEED to a seed the drafter has not seen} | tee $OUT/responses_t1.json
-  # Provisional length; finish refits it. Train until ~9.3 min into the call.
-  $TRAIN --steps ${STEPS:-2400} --max-minutes "$(minutes_left 540)" 2>&1 | tail -1
+  # Provisional length; finish refits it. Train until ~9 min into the call.
+  $TRAIN --steps ${STEPS:-2400} --max-minutes "$(minutes_left 525)" 2>&1 | tail -1
   cp /tmp/run4/train_log.jsonl $OUT/
+  python3 -m ddtree.cli train-drafter export --run-dir /tmp/run4 --out /tmp/export_partial
+  split -b 12000000 -d /tmp/export_partial/model.safetensors $OUT/partial_model.safetensors.p
+  tar -cf $OUT/partial_small.tar -C /tmp/export_partial config.json mask_embedding.pt
   ;;
 finish)
   LAST=${LAST_MINUTES:-5.8}
@@ -78,7 +86,7 @@ EOF
 )
   echo "grid drafter: ${DRAFTER:-shipped}"
   python3 -m ddtree.cli bench --target $G ${DRAFTER:+--drafter $DRAFTER} --prompts-json .stage/eval_prompts.json \
-    --methods ar,dflash,ddtree:32,auto --concurrency 1,4,16,64 --temperatures 0,1 \
+    --methods ${METHODS:-ar,dflash,ddtree:32,auto} --concurrency 1,4,16,64 --temperatures 0,1 \
     --datasets humaneval,mtbench --repeats ${REPEATS:-2} --max-tokens 128 --kv-cache-gb 8 \
     --out $OUT/bench_h200.json > $OUT/bench.log 2>&1
   tail -40 $OUT/bench.log
