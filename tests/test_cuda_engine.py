@@ -192,7 +192,7 @@ def test_fresh_round_behind_an_unfinished_prefill_is_timed_from_its_end(models):
     prompt = _prompts(2, seed=3)[1]
     llm.generate([prompt], params)  # captures this prefill's and round's graphs (a capture syncs)
     seq = engine.add_request(prompt, params, method="ddtree", budget=32)
-    kind, seqs, chunks = engine.scheduler.schedule(lambda s: runner.lookahead("ddtree", 32))
+    kind, seqs, chunks = engine.scheduler.schedule()
     assert kind == "prefill"
     torch.cuda._sleep(200_000_000)  # the GPU is still busy when the round is launched
     runner.prefill(seqs, chunks)

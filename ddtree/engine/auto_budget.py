@@ -89,6 +89,23 @@ def auto_candidates(cap: int, has_drafter: bool, budgets=AUTO_BUDGETS) -> list[t
     return [("ar", 0), ("dflash", 0)] + [("ddtree", b) for b in budgets]
 
 
+class Recent:
+    """The last ``n`` samples and their median, kept up to date on append: ``choose`` runs before
+    every round and reads a dozen medians, and re-sorting them each time cost ~45 us of host time
+    per round (unhidden in fresh rounds, after every change of batch)."""
+
+    def __init__(self, n: int):
+        self.values: deque = deque(maxlen=n)
+        self.median = 0.0
+
+    def append(self, value: float) -> None:
+        self.values.append(value)
+        self.median = statistics.median(self.values)
+
+    def __len__(self) -> int:
+        return len(self.values)
+
+
 class AutoBudget:
     def __init__(self, candidates: list[tuple[str, int]], bucket_of, tau_window: int = 128,
                  explore_every: int = 32, explore_margin: float = 0.8, min_tries: int = 4,
@@ -105,10 +122,11 @@ class AutoBudget:
         self.prior: dict[tuple[int, tuple[str, int]], float] = {}    # start-up profile
         self.tau: dict[tuple[str, int], float] = {("ar", 0): 1.0}
         self.tau_recent: dict[tuple[str, int], deque] = {}  # recent tokens per sequence per step
+        self._taus: dict[tuple[str, int], float] | None = None  # tau_estimates(), cached
         # recent wall times per (bucket, candidate, fresh)
-        self.samples: dict[tuple[int, tuple[str, int], bool], deque] = {}
+        self.samples: dict[tuple[int, tuple[str, int], bool], Recent] = {}
         # wall - prior, per (bucket, fresh, plain decoding or not)
-        self.overhead_samples: dict[tuple[int, bool, bool], deque] = {}
+        self.overhead_samples: dict[tuple[int, bool, bool], Recent] = {}
         self.tries: dict[tuple[str, int], int] = {}  # plain decoding too: its cost is measured
         self.steps = 0
         self.explore_credit = 0.0  # seconds of expected loss explorations may still spend
@@ -120,47 +138,71 @@ class AutoBudget:
     def step_cost(self, bucket: int, cand, fresh: bool = False) -> float | None:
         own = self.samples.get((bucket, cand, fresh))
         if own is not None and len(own) >= self.min_tries:
-            return statistics.median(own)
+            return own.median
         other = self.samples.get((bucket, cand, not fresh))
         if (bucket, cand) in self.prior:
             over = self.overhead_samples.get((bucket, fresh, cand == ("ar", 0)))
-            cost = self.prior[(bucket, cand)] + (statistics.median(over) if over else 0.0)
+            cost = self.prior[(bucket, cand)] + (over.median if over else 0.0)
             # The candidate's own rounds of the other kind bound it (fresh and overlapped rounds
             # differ by host work, 0.01-0.03 ms on the H200 now): a class's overhead comes only
             # from that class's rounds, and plain decoding's fresh rounds are rare under load, so
             # its samples went stale (1.50 ms for 1.22 ms real at c=64), the chain took 94 of 107
             # fresh full-batch rounds at 0.84x plain decoding's speed, and auto ran 0.97x AR.
             if other is not None and len(other) >= self.min_tries:
-                cost = min(cost, statistics.median(other))
+                cost = min(cost, other.median)
             return cost
         few = own or other
-        return statistics.median(few) if few else None
+        return few.median if few else None
 
     def tau_estimate(self, cand) -> float:
         """A bigger tree contains every smaller one, so tau can only grow with the budget: the
         estimate is the running average, lifted to the best of the smaller trees."""
-        if cand[0] != "ddtree":
-            return self.tau[cand]
-        return max(self.tau[c] for c in self.candidates if c[0] == "ddtree" and c[1] <= cand[1] and c in self.tau)
+        return self.tau_estimates()[cand]
+
+    def tau_estimates(self) -> dict[tuple[str, int], float]:
+        if self._taus is not None:  # until the next observe_tau
+            return self._taus
+        out, lifted = {}, None
+        for cand in sorted(self.candidates, key=lambda c: (c[0] == "ddtree", c[1])):
+            tau = self.tau.get(cand)
+            if cand[0] == "ddtree":
+                lifted = tau if lifted is None else max(lifted, tau if tau is not None else lifted)
+                tau = lifted
+            if tau is not None:
+                out[cand] = tau
+        self._taus = out
+        return out
+
+    def costs(self, bucket: int, fresh: bool = False) -> dict[tuple[str, int], float | None]:
+        return {c: self.step_cost(bucket, c, fresh) for c in self.candidates}
 
     def rate(self, bucket: int, cand, fresh: bool = False) -> float:
         """Expected tokens per second per sequence."""
         return self.tau_estimate(cand) / self.step_cost(bucket, cand, fresh)
 
+    def rates(self, bucket: int, fresh: bool = False, costs: dict | None = None) -> dict[tuple[str, int], float]:
+        costs = costs or self.costs(bucket, fresh)
+        taus = self.tau_estimates()
+        return {c: taus[c] / costs[c] for c in self.candidates}
+
     def choose(self, n: int, fresh: bool = False) -> tuple[str, int]:
         """The candidate for a round over n sequences; ``fresh``: not launched behind another."""
         bucket = self.bucket_of(n)
+        costs = {}
         for cand in self.candidates:  # everything is tried a few times (one step is a noisy tau)
-            if self.tries.get(cand, 0) < self.min_tries or self.step_cost(bucket, cand, fresh) is None:
+            if self.tries.get(cand, 0) < self.min_tries:
                 return cand
-        rates = self.rates(bucket, fresh)
+            costs[cand] = self.step_cost(bucket, cand, fresh)
+            if costs[cand] is None:
+                return cand
+        rates = self.rates(bucket, fresh, costs)
         best = max(self.candidates, key=rates.get)
         if best != ("ar", 0) and rates[best] < (1 + self.ar_margin) * rates[("ar", 0)]:
             best = ("ar", 0)
         self.steps += 1
         # Every step earns explore_budget of its time as credit for exploring (capped, so a long
         # spell of steps does not buy a burst of explorations).
-        step = self.step_cost(bucket, best, fresh)
+        step = costs[best]
         self.explore_credit = min(self.explore_credit + self.explore_budget * step,
                                   self.explore_budget * step * self.explore_every * 8)
         if self.steps % self.explore_every == 0:
@@ -168,19 +210,17 @@ class AutoBudget:
             # the step's expected loss against the best (at concurrency 64 a tree round costs 3-8
             # plain rounds: exploring every 32 steps lost 1-2 % of the time in an H200 trace).
             plausible = [c for c in self.candidates if c != best and rates[c] >= self.explore_margin * rates[best]
-                         and self.regret(bucket, c, rates, best, fresh) <= self.explore_credit]
+                         and self.regret(c, costs, rates, best) <= self.explore_credit]
             if plausible:
                 cand = min(plausible, key=lambda c: self.last_run.get(c, -1))
-                self.explore_credit -= self.regret(bucket, cand, rates, best, fresh)
+                self.explore_credit -= self.regret(cand, costs, rates, best)
                 return cand
         return best
 
-    def regret(self, bucket: int, cand, rates: dict, best, fresh: bool = False) -> float:
+    @staticmethod
+    def regret(cand, costs: dict, rates: dict, best) -> float:
         """Expected seconds one step of ``cand`` loses against running ``best`` for its tokens."""
-        return self.step_cost(bucket, cand, fresh) * (1 - rates[cand] / rates[best])
-
-    def rates(self, bucket: int, fresh: bool = False) -> dict[tuple[str, int], float]:
-        return {c: self.rate(bucket, c, fresh) for c in self.candidates}
+        return costs[cand] * (1 - rates[cand] / rates[best])
 
     def observe(self, n: int, cand, seconds: float | None, tokens_per_seq: float, fresh: bool = False) -> None:
         """One step's outcome; seconds=None when its wall time is not its cost (it captured a
@@ -193,9 +233,9 @@ class AutoBudget:
             self.observe_tau(cand, tokens_per_seq)
         if seconds is None:
             return
-        self.samples.setdefault((bucket, cand, fresh), deque(maxlen=self.WINDOW)).append(seconds)
+        self.samples.setdefault((bucket, cand, fresh), Recent(self.WINDOW)).append(seconds)
         if (bucket, cand) in self.prior:
-            self.overhead_samples.setdefault((bucket, fresh, cand == ("ar", 0)), deque(maxlen=self.WINDOW)).append(
+            self.overhead_samples.setdefault((bucket, fresh, cand == ("ar", 0)), Recent(self.WINDOW)).append(
                 max(0.0, seconds - self.prior[(bucket, cand)]))
 
     def observe_tau(self, cand, tokens_per_seq: float) -> None:
@@ -205,6 +245,7 @@ class AutoBudget:
         recent = self.tau_recent.setdefault(cand, deque(maxlen=self.tau_window))
         recent.append(tokens_per_seq)
         self.tau[cand] = sum(recent) / len(recent)
+        self._taus = None
 
     def best(self, n: int, fresh: bool = False) -> tuple[str, int] | None:
         """The current choice without exploring (None until everything was tried)."""

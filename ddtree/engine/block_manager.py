@@ -20,16 +20,22 @@ class BlockManager:
         want = -(-num_slots // self.block_size)
         return max(0, want - len(seq.block_table))
 
-    def can_reserve(self, seq: Sequence, num_slots: int) -> bool:
-        return self.blocks_needed(seq, num_slots) <= self.num_free
-
     def reserve(self, seq: Sequence, num_slots: int) -> None:
         """Make sure ``seq`` owns slots for positions 0..num_slots-1."""
         need = self.blocks_needed(seq, num_slots)
         if need > self.num_free:
-            raise RuntimeError("out of KV blocks")  # callers check can_reserve first
+            raise RuntimeError("out of KV blocks")  # callers count free blocks first
         for _ in range(need):
             seq.block_table.append(self.free.pop())
+
+    def try_reserve(self, seq: Sequence, num_slots: int) -> bool:
+        """reserve() if the free blocks allow it; False (and nothing taken) if not."""
+        need = -(-num_slots // self.block_size) - len(seq.block_table)
+        if need > len(self.free):
+            return False
+        for _ in range(need):
+            seq.block_table.append(self.free.pop())
+        return True
 
     def release(self, seq: Sequence) -> None:
         self.free.extend(reversed(seq.block_table))

@@ -163,6 +163,7 @@ class LLMEngine:
             budget = 0  # "auto" chooses among trees; the other methods have no budget
         seq = Sequence(prompt_token_ids, params, prompt=prompt, request_id=request_id,
                        method=method, budget=budget)
+        seq.lookahead = self.runner.lookahead(method, self.budget_cap if budget == "auto" else budget)
         if self.tokenizer is not None:
             seq.decode_fn = lambda ids: self.tokenizer.decode(ids, skip_special_tokens=True)
         self.seqs[seq.request_id] = seq
@@ -195,8 +196,7 @@ class LLMEngine:
             inflight = self._inflight
             self._inflight = self._launch_after(inflight)
             return self._read(inflight)
-        kind, seqs, chunks = self.scheduler.schedule(
-            lambda s: self.runner.lookahead(s.method, self.budget_cap if s.budget == "auto" else s.budget))
+        kind, seqs, chunks = self.scheduler.schedule()
         if kind == "prefill":
             self.runner.prefill(seqs, chunks)
             return []
@@ -239,18 +239,20 @@ class LLMEngine:
         if (self.scheduler.waiting or len(self.scheduler.running) != len(seqs)
                 or any(s.is_finished for s in seqs)):
             return None
-        method, budget = seqs[0].method, seqs[0].budget
-        ahead = self.runner.lookahead(prev.kind.method, prev.kind.budget)
-        nxt = self.runner.lookahead(method, self.budget_cap if budget == "auto" else budget)
-        for s in seqs:
-            if len(s) + ahead + nxt > self.max_model_len or not self.blocks.can_reserve(s, len(s) - 1 + ahead + nxt):
-                return None
+        # One group: every sequence has the same method, budget and lookahead.
+        slots = self.runner.lookahead(prev.kind.method, prev.kind.budget) + seqs[0].lookahead - 1
+        lengths = [len(s.token_ids) for s in seqs]
+        if max(lengths) + slots >= self.max_model_len:
+            return None
+        # All or none: each alone fitting the free blocks is not enough.
+        if sum(self.blocks.blocks_needed(s, n + slots) for s, n in zip(seqs, lengths)) > self.blocks.num_free:
+            return None
         if not self.runner.can_launch_after(seqs):
             return None
-        for s in seqs:
-            self.blocks.reserve(s, len(s) - 1 + ahead + nxt)
+        for s, n in zip(seqs, lengths):
+            self.blocks.reserve(s, n + slots)
         self.overlapped_rounds += 1
-        return self._launch(seqs, method, budget, after=prev)
+        return self._launch(seqs, seqs[0].method, seqs[0].budget, after=prev)
 
     def _read(self, launched: Launched) -> list[Sequence]:
         """Read a launched round and commit its tokens; sequences that finished or were aborted

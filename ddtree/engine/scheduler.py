@@ -22,15 +22,18 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def schedule(self, lookahead) -> tuple[str, list[Sequence], list[int]]:
-        """lookahead(seq) = slots one verify step of seq writes past its prefix.
-        Returns ("prefill", seqs, chunk_lens) or ("decode", seqs, []) or ("idle", [], [])."""
+    def schedule(self) -> tuple[str, list[Sequence], list[int]]:
+        """Returns ("prefill", seqs, chunk_lens) or ("decode", seqs, []) or ("idle", [], []).
+        A sequence's ``lookahead`` is the slots one verify step of it writes past its prefix.
+        This runs before every round that is not launched behind another (after each change of
+        batch): at concurrency 64 it cost ~0.28 ms of host time per call (CPU machine) before
+        the membership tests and double block counts were taken out, more than a plain round's
+        host work."""
         # Admit waiting requests while their prompt (+ one verify step) fits in free blocks.
         while self.waiting and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
-            if not self.blocks.can_reserve(seq, len(seq) - 1 + lookahead(seq)):
+            if not self.blocks.try_reserve(seq, len(seq) - 1 + seq.lookahead):
                 break
-            self.blocks.reserve(seq, len(seq) - 1 + lookahead(seq))
             seq.status = Status.RUNNING
             self.running.append(self.waiting.popleft())
 
@@ -38,7 +41,7 @@ class Scheduler:
         budget = self.max_num_batched_tokens
         prefill, chunks = [], []
         for seq in self.running:
-            todo = len(seq) - 1 - seq.num_cached
+            todo = len(seq.token_ids) - 1 - seq.num_cached
             if todo > 0 and budget > 0:
                 n = min(todo, budget)
                 prefill.append(seq)
@@ -51,15 +54,15 @@ class Scheduler:
         # when blocks run out (its KV is recomputed later).
         ready = []
         for seq in list(self.running):
-            if seq not in self.running:
+            if seq.status is not Status.RUNNING:  # preempted for an earlier one
                 continue
-            while not self.blocks.can_reserve(seq, len(seq) - 1 + lookahead(seq)):
+            slots = len(seq.token_ids) - 1 + seq.lookahead
+            while not self.blocks.try_reserve(seq, slots):
                 victim = self.running[-1]
                 self.preempt(victim)
                 if victim is seq:
                     break
-            if seq in self.running:
-                self.blocks.reserve(seq, len(seq) - 1 + lookahead(seq))
+            if seq.status is Status.RUNNING:
                 ready.append(seq)
         if ready:
             return "decode", ready, []

@@ -44,6 +44,7 @@ class Sequence:
         self.num_prompt_tokens = len(prompt_token_ids)
         self.params = params
         self.method, self.budget = method, budget  # speculative settings of this request
+        self.lookahead = 1  # cache slots one verify step writes past the prefix (set by the engine)
         self.status = Status.WAITING
         self.num_cached = 0
         self.block_table: list[int] = []
