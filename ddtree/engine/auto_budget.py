@@ -166,8 +166,8 @@ class AutoBudget:
         for cand in sorted(self.candidates, key=lambda c: (c[0] == "ddtree", c[1])):
             tau = self.tau.get(cand)
             if cand[0] == "ddtree":
-                lifted = tau if lifted is None else max(lifted, tau if tau is not None else lifted)
-                tau = lifted
+                known = [t for t in (tau, lifted) if t is not None]
+                tau = lifted = max(known) if known else None
             if tau is not None:
                 out[cand] = tau
         self._taus = out
@@ -176,11 +176,8 @@ class AutoBudget:
     def costs(self, bucket: int, fresh: bool = False) -> dict[tuple[str, int], float | None]:
         return {c: self.step_cost(bucket, c, fresh) for c in self.candidates}
 
-    def rate(self, bucket: int, cand, fresh: bool = False) -> float:
-        """Expected tokens per second per sequence."""
-        return self.tau_estimate(cand) / self.step_cost(bucket, cand, fresh)
-
     def rates(self, bucket: int, fresh: bool = False, costs: dict | None = None) -> dict[tuple[str, int], float]:
+        """Expected tokens per second per sequence, per candidate."""
         costs = costs or self.costs(bucket, fresh)
         taus = self.tau_estimates()
         return {c: taus[c] / costs[c] for c in self.candidates}
