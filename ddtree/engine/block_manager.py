@@ -21,15 +21,13 @@ class BlockManager:
         return max(0, want - len(seq.block_table))
 
     def reserve(self, seq: Sequence, num_slots: int) -> None:
-        """Make sure ``seq`` owns slots for positions 0..num_slots-1."""
-        need = self.blocks_needed(seq, num_slots)
-        if need > self.num_free:
-            raise RuntimeError("out of KV blocks")  # callers count free blocks first
-        for _ in range(need):
-            seq.block_table.append(self.free.pop())
+        """Make sure ``seq`` owns slots for positions 0..num_slots-1 (callers count free blocks first)."""
+        if not self.try_reserve(seq, num_slots):
+            raise RuntimeError("out of KV blocks")
 
     def try_reserve(self, seq: Sequence, num_slots: int) -> bool:
         """reserve() if the free blocks allow it; False (and nothing taken) if not."""
+        # blocks_needed inlined: called per sequence per scheduled round (~25 % of schedule()).
         need = -(-num_slots // self.block_size) - len(seq.block_table)
         if need > len(self.free):
             return False
