@@ -207,12 +207,12 @@ def test_fresh_round_behind_an_unfinished_prefill_is_timed_from_its_end(models):
 
 
 @pytest.mark.parametrize("method", ["ar", "dflash", "ddtree"])
-def test_triton_sampler_in_captured_rounds_is_lossless(method, monkeypatch):
-    """On CUDA, unfiltered sampling runs the Triton Gumbel-max sampler inside the captured rounds:
+def test_fused_sampler_in_captured_rounds_is_lossless(method, monkeypatch):
+    """On CUDA, unfiltered sampling runs in the LM head's epilogue inside the captured rounds:
     3-token continuations of a tiny model under AR, the chain and DDTree match the exact
     distribution (chi-square at 0.001, as tests/test_sampling_lossless.py does on CPU)."""
     import copy
-    from ddtree.kernels import triton_sample
+    from ddtree.kernels import triton_lm_head
     from ddtree.models.dflash import random_drafter
     from test_sampling_lossless import ALPHA, PROMPT, exact_distribution, goodness_of_fit
     from tiny import tiny_model
@@ -224,8 +224,8 @@ def test_triton_sampler_in_captured_rounds_is_lossless(method, monkeypatch):
     llm = LLM(target=copy.deepcopy(model), drafter=drafter if method != "ar" else None, method=method,
               budget=10, device="cuda", dtype=torch.float32, max_model_len=16, max_num_seqs=64, kv_cache_gb=0.05)
     calls = []
-    real = triton_sample.sample_gumbel_triton
-    monkeypatch.setattr(triton_sample, "sample_gumbel_triton", lambda *a, **k: (calls.append(1), real(*a, **k))[1])
+    real = triton_lm_head.lm_head_sample_triton
+    monkeypatch.setattr(triton_lm_head, "lm_head_sample_triton", lambda *a, **k: (calls.append(1), real(*a, **k))[1])
     outs = llm.generate([PROMPT] * 4000, SamplingParams(**params))
     assert calls  # the Triton sampler was captured (graphs replay it without calling Python)
     assert goodness_of_fit([tuple(o.token_ids) for o in outs], exact) > ALPHA

@@ -475,6 +475,71 @@ def test_triton_sampler_draws_from_softmax_at_the_temperature():
     assert got.cpu().tolist() == [[2, 0, 0]]
 
 
+def chisquare_pvalue(counts: torch.Tensor, probs: torch.Tensor) -> float:
+    """Pearson's test of observed counts against probabilities, rare bins pooled (expected < 5)."""
+    from scipy.stats import chisquare
+    expected = probs.double() * counts.sum()
+    big = expected >= 5
+    obs, exp = counts.double()[big], expected[big]
+    if not big.all():  # (an empty pool would be a 0/0 term)
+        obs = torch.cat([obs, counts.double()[~big].sum()[None]])
+        exp = torch.cat([exp, expected[~big].sum()[None]])
+    return chisquare(obs.numpy(), exp.numpy()).pvalue
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16] if CUDA else [torch.float32])
+def test_lm_head_sample_greedy_rows_take_the_first_maximal_logit(dtype):
+    """Integer-valued hidden states and weights make every logit exact whatever the order of the
+    sums, so the fused head must return exactly the first argmax among many exact ties, for a
+    greedy batch and for the greedy sequence of a sampled batch, whatever the tile plan; a NaN
+    logit (a NaN row of W) never wins. V = 50 is not a multiple of the tiles or of the 16-column
+    groups, and 18 rows do not fill the last row tile."""
+    from ddtree.kernels.triton_lm_head import lm_head_sample_triton
+    gen = torch.Generator().manual_seed(3)
+    N, T, H, V = 2, 9, 40, 50
+    hidden = torch.randint(-2, 3, (N * T, H), generator=gen).to(dtype).to(DEVICE)
+    weight = torch.randint(-2, 3, (V, H), generator=gen).to(dtype).to(DEVICE)
+    weight[7] = float("nan")
+    want = (hidden.double() @ weight.double().T).nan_to_num(float("-inf")).argmax(-1).cpu()
+    for plan in ((16, 16, 16, 4, 1), (32, 64, 32, 4, 2)):
+        seed = torch.tensor([77], device=DEVICE)
+        greedy = lm_head_sample_triton(hidden, weight, torch.zeros(N, device=DEVICE), seed, T, False, plan)
+        assert torch.equal(greedy.cpu(), want) and int(seed) == 77, plan
+        mixed = lm_head_sample_triton(hidden, weight, torch.tensor([0.0, 0.7], device=DEVICE), seed, T, True, plan)
+        assert torch.equal(mixed.cpu()[:T], want[:T]) and int(seed) == 78, plan
+        assert (mixed.cpu() != 7).all()
+
+
+@needs_kernels
+def test_lm_head_sample_draws_from_softmax():
+    """Sampled rows are draws from softmax(logits / T): chi-square at T = 1 and 0.5 over rows that
+    share one hidden state, V = 40 over three 16-column tiles (the last one partial), a NaN logit
+    never drawn; the same seed repeats its draws and the advanced seed draws afresh."""
+    from ddtree.kernels.triton_lm_head import lm_head_sample_triton
+    gen = torch.Generator().manual_seed(5)
+    H, V, rows = 16, 40, 250 if INTERPRETED else 20000  # the interpreter runs ~40 rows a second
+    weight = (torch.randn(V, H, generator=gen) * 0.6).to(DEVICE)
+    weight[11] = float("nan")
+    h = torch.randn(H, generator=gen)
+    logits = (weight.cpu().double() @ h.double()).nan_to_num(float("-inf"))
+    hidden = h.expand(2 * rows, H).contiguous().to(DEVICE)
+    temps = torch.tensor([1.0, 0.5], device=DEVICE)
+    seed = torch.tensor([1234], device=DEVICE)
+    plan = (16, 16, 16, 4, 1)
+    got = lm_head_sample_triton(hidden, weight, temps, seed, rows, True, plan).cpu().view(2, rows)
+    assert int(seed) == 1235 and (got != 11).all()
+    for i, t in enumerate((1.0, 0.5)):
+        counts = torch.bincount(got[i], minlength=V)
+        assert chisquare_pvalue(counts, torch.softmax(logits / t, -1)) > 1e-3, t
+    few = hidden[:16]
+    seed.fill_(99)
+    first = lm_head_sample_triton(few, weight, temps, seed, 8, True, plan).cpu()
+    seed.fill_(99)
+    assert torch.equal(lm_head_sample_triton(few, weight, temps, seed, 8, True, plan).cpu(), first)
+    assert not torch.equal(lm_head_sample_triton(few, weight, temps, seed, 8, True, plan).cpu(), first)
+
+
 @pytest.mark.skipif(CUDA or INTERPRETED, reason="CPU only: the kernels run directly on CUDA")
 def test_kernels_under_triton_interpreter():
     """Every kernel test above, in Triton's interpreter, in a fresh process."""

@@ -120,7 +120,8 @@ def test_wrong_acceptance_rule_is_detected(tiny, reference, monkeypatch):
     tests must reject it."""
     exact, ar_samples = reference
 
-    def argmax_walk(self, kind, inp, tree, logits, generators):
+    def argmax_walk(self, kind, inp, tree, verified, generators):
+        logits = verified.logits  # (the CPU path: no fused sampling)
         samples = sample_from_logits(logits, inp.temperature, inp.top_k, inp.top_p, generators)
         path, num, _ = accept_walk(tree.tokens, tree.parents, tree.depths, logits.argmax(-1), tree.max_depth)
         bonus = gather_rows(samples, path)[torch.arange(path.shape[0]), num - 1]

@@ -407,6 +407,10 @@ def test_chain_tree():
     assert tok[0, 2].item() == 1
     assert par.tolist() == [list(range(5))] * 4
     assert dep.tolist() == [list(range(1, 6))] * 4
+    taken = chain_tree(lp.argmax(-1) * 1)  # the argmax tokens already taken: the same chain
+    assert all(torch.equal(a, b) for a, b in zip(taken, (tok, par, dep)))
+    with pytest.raises(ValueError, match="argmax tokens"):
+        chain_tree(lp[0])
 
 
 # ----------------------------------------------------------------- layout

@@ -15,6 +15,7 @@ from __future__ import annotations
 import time
 from collections import defaultdict, deque
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -48,6 +49,15 @@ class Tree:
     @property
     def size(self) -> int:
         return self.tokens.shape[1]
+
+
+class Verified(NamedTuple):
+    """The verify pass's outputs: logits [N, T, V] fp32, or (fused sampling) the target's token
+    at every node [N, T]; the tapped features [N, T, F] (None: no taps); the nodes' slots [N, T]."""
+    logits: torch.Tensor | None
+    samples: torch.Tensor | None
+    taps: torch.Tensor | None
+    slots: torch.Tensor
 
 
 @dataclass
@@ -668,16 +678,16 @@ class ModelRunner:
             state["tree"] = self.build(kind, inp.roots, state["logprobs"])
 
         def verify():
-            state["verified"] = self.verify(kind, inp, state["tree"], max_keys)
+            state["verified"] = self.verify(kind, inp, state["tree"], max_keys, generators)
 
         def accept():
-            state["accepted"] = self.accept(kind, inp, state["tree"], state["verified"][0], generators)
+            state["accepted"] = self.accept(kind, inp, state["tree"], state["verified"], generators)
 
         def commit():
-            state["out"], state["dst"] = self.commit(kind, state["tree"], state["accepted"], state["verified"][2])
+            state["out"], state["dst"] = self.commit(kind, state["tree"], state["accepted"], state["verified"].slots)
 
         def context():
-            self.update_context(kind, inp, state["accepted"][0], state["verified"][1], state["dst"])
+            self.update_context(kind, inp, state["accepted"][0], state["verified"].taps, state["dst"])
 
         return draft, build, verify, accept, commit, context
 
@@ -690,9 +700,9 @@ class ModelRunner:
 
     def draft(self, kind: StepKind, inp: StepInputs, max_keys: int, seqs, raw: bool = False) -> torch.Tensor | None:
         """Per-depth log-probabilities [N, D, V] from the drafter (fp32, temperature 1). ``raw``: on
-        the Triton path the logits instead, for ``build``: the tree's top-k normalises the few
-        entries it keeps and the chain's argmax needs no normalising, so a log-softmax over
-        [N, D, V] would go unread (0.10 ms at batch 64 and 8 depths on the H200)."""
+        the Triton path what ``build`` reads instead: the tree's logits (its top-k normalises the
+        few entries it keeps, so a log-softmax over [N, D, V] would go unread: 0.10 ms at batch 64
+        and 8 depths on the H200), the chain's argmax tokens [N, D] (from the fused LM head)."""
         if kind.method == "ar":
             return None
         if not isinstance(self.drafter, DFlashDrafter):
@@ -702,7 +712,14 @@ class ModelRunner:
         positions = (inp.starts[:, None] + torch.arange(S, device=self.device)).reshape(-1)
         ctx = AttentionContext.uniform(inp.tables, inp.starts, S, self.blocks.block_size, max_keys, mask="full")
         hidden = self.drafter(embeds, positions, self.drafter_kv, ctx).view(N, S, -1)[:, 1:1 + self.draft_depth(kind)]
-        logits = self.target.logits(hidden.to(self.dtype))
+        hidden = hidden.to(self.dtype)
+        if raw and kind.method == "dflash" and triton_enabled(hidden):
+            # the chain reads only each depth's argmax: the fused LM head returns it, no logits
+            from ddtree.kernels.triton_lm_head import lm_head_sample_triton
+            D = hidden.shape[1]
+            return lm_head_sample_triton(hidden.reshape(N * D, -1), self.target.lm_head.weight, inp.temperature,
+                                         self.sample_seed, D, sampling=False).view(N, D)
+        logits = self.target.logits(hidden)
         return logits if raw and triton_enabled(logits) else torch.log_softmax(logits, -1)
 
     def draft_depth(self, kind: StepKind) -> int:
@@ -723,7 +740,7 @@ class ModelRunner:
         if kind.method == "ar":
             empty = torch.zeros(N, 0, dtype=torch.long, device=self.device)
             tokens, parents, depths, max_depth = empty, empty, empty, 0
-        elif kind.method == "dflash":
+        elif kind.method == "dflash":  # (from draft(raw=True) on the Triton path: the argmax tokens)
             tokens, parents, depths = chain_tree(logprobs)
             max_depth = logprobs.shape[1]
         else:
@@ -739,8 +756,11 @@ class ModelRunner:
             ancestors = None
         return Tree(tokens, parents, depths, max_depth, ancestors)
 
-    def verify(self, kind: StepKind, inp: StepInputs, tree: Tree, max_keys: int):
-        """One target pass over root + all nodes with the ancestor mask and depth positions."""
+    def verify(self, kind: StepKind, inp: StepInputs, tree: Tree, max_keys: int, generators=None) -> "Verified":
+        """One target pass over root + all nodes with the ancestor mask and depth positions. On
+        CUDA, unless the round filters (top-k / top-p) or a request brings its own generator, the
+        LM head samples in its epilogue (``lm_head_sample_triton``): the round's per-node target
+        tokens come back instead of [N, T, V] fp32 logits."""
         N, T = tree.tokens.shape
         positions = node_positions(inp.starts, tree.depths).reshape(-1)
         if kind.method == "ddtree":
@@ -750,16 +770,20 @@ class ModelRunner:
             ctx = AttentionContext.uniform(inp.tables, inp.starts, T, self.blocks.block_size, max_keys)
         taps = self.taps if (kind.method != "ar" or kind.store_context) else ()
         hidden, tapped = self.target(tree.tokens.reshape(-1), positions, self.target_kv, ctx, taps)
-        logits = self.target.logits(hidden).view(N, T, -1)
-        return logits, (tapped.view(N, T, -1) if tapped is not None else None), ctx.slot_mapping.view(N, T)
-
-    def accept(self, kind: StepKind, inp: StepInputs, tree: Tree, logits, generators):
-        if (kind.sampling == "sample" and triton_enabled(logits)
+        tapped = tapped.view(N, T, -1) if tapped is not None else None
+        slots = ctx.slot_mapping.view(N, T)
+        if (kind.sampling != "filtered" and triton_enabled(hidden)
                 and (generators is None or all(g is None for g in generators))):
-            from ddtree.kernels.triton_sample import sample_gumbel_triton
-            samples = sample_gumbel_triton(logits, inp.temperature, self.sample_seed)
-        else:
-            samples = sample_from_logits(logits, inp.temperature, inp.top_k, inp.top_p, generators,
+            from ddtree.kernels.triton_lm_head import lm_head_sample_triton
+            samples = lm_head_sample_triton(hidden.reshape(N * T, -1), self.target.lm_head.weight,
+                                            inp.temperature, self.sample_seed, T, kind.sampling == "sample")
+            return Verified(None, samples.view(N, T), tapped, slots)
+        return Verified(self.target.logits(hidden).view(N, T, -1), None, tapped, slots)
+
+    def accept(self, kind: StepKind, inp: StepInputs, tree: Tree, verified: "Verified", generators):
+        samples = verified.samples
+        if samples is None:
+            samples = sample_from_logits(verified.logits, inp.temperature, inp.top_k, inp.top_p, generators,
                                          all_greedy=kind.sampling == "greedy",
                                          use_filters=kind.sampling == "filtered")
         if kind.method == "ar":  # a root-only tree: the walk's answer without its kernels

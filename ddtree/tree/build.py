@@ -273,16 +273,20 @@ def build_tree_batched(logprobs: torch.Tensor, budget: int):
 
 
 def chain_tree(logprobs: torch.Tensor):
-    """DFlash chain: the path of per-depth argmax tokens (first max index).
+    """DFlash chain: the path of per-depth argmax tokens (first max index) of ``logprobs``
+    [N, D, V], or those tokens [N, D] already taken (int64, e.g. by a fused LM head).
 
     Returns ``(tokens, parents, depths)``, each LongTensor [N, D], with
     ``parents[:, j] = j`` and ``depths[:, j] = j + 1``.
     """
-    if logprobs.dim() != 3:
-        raise ValueError(f"logprobs must be [N, D, V], got shape {tuple(logprobs.shape)}")
-    N, D, _ = logprobs.shape
-    device = logprobs.device
-    tokens = torch.argmax(logprobs, dim=-1)
+    if logprobs.dim() == 2 and not logprobs.is_floating_point():
+        tokens = logprobs
+    elif logprobs.dim() == 3:
+        tokens = torch.argmax(logprobs, dim=-1)
+    else:
+        raise ValueError(f"logprobs must be [N, D, V] (or argmax tokens [N, D]), got shape {tuple(logprobs.shape)}")
+    N, D = tokens.shape
+    device = tokens.device
     ar = torch.arange(D, dtype=torch.long, device=device)
     parents = ar.expand(N, D).clone()
     depths = (ar + 1).expand(N, D).clone()

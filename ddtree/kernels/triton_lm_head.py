@@ -1,0 +1,173 @@
+"""The target's LM head with the round's sampling in its epilogue: hidden [M, H] x W [V, H]^T ->
+one token per row, without writing the [M, V] fp32 logits (403 MB for a 32-node tree at batch 64
+and V = 49152) or reading them back in a separate argmax / sampling pass.
+
+Two launches:
+
+1. ``_lm_head_kernel``: a [BM, BN] tile of logits per program. It keeps, per row, the best
+   (score, first index) as an int64 key (score = logit / T for sampled rows, the logit for greedy
+   ones) and, when sampling, the sum of exp(score - tile max) over each group of 16 columns.
+2. ``_pick_kernel``, one program per row: a greedy row (T <= 0) takes its best key, i.e. the
+   first maximal logit, as ``torch.argmax`` does. A sampled row inverts the CDF of softmax(logits
+   / T): one uniform u picks the group whose cumulative weight first exceeds u * Z (a float64 scan
+   over the V / 16 group weights, so a rare token's interval is not lost to fp32 rounding near Z),
+   then the 16 logits of that group are recomputed (16 x H multiply-adds) to pick the token.
+
+Why not the Gumbel-max trick in the epilogue: one uniform per vocabulary entry. On the H200 the
+Philox draws cost more than the GEMM (2,048 rows: 277 us fused greedy, 646 us fused Gumbel;
+``bench/results/profile_lm_head_h200.json``); the inverse CDF draws one uniform per row.
+Rounding: group weights are fp32 sums of fp32 exponentials and the picked group's logits are
+recomputed in another summation order, so probabilities carry ~1e-7 relative error (as any fp32
+sampler's); the token picked is always one with nonzero weight. NaN logits never win and have
+weight 0.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ddtree.kernels.triton_tree import _INT64_MIN, _vocab_key
+
+GROUP = 16  # columns per stored weight: 16 x H recomputed per sampled row, M x V / 16 sums written
+
+
+@triton.jit
+def _lm_head_kernel(H, W, TEMP, KEYS, SUMS, M, V, K, T, N_TILES, N_GROUPS, stride_h, stride_w,
+                    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, G: tl.constexpr,
+                    SAMPLE: tl.constexpr, IEEE: tl.constexpr):
+    pm = tl.program_id(0)
+    pn = tl.program_id(1)
+    rows = pm * BM + tl.arange(0, BM)
+    cols = pn * BN + tl.arange(0, BN)
+    row_ok = rows < M
+    col_ok = cols < V
+    kk = tl.arange(0, BK)
+    h_ptr = H + rows.to(tl.int64)[:, None] * stride_h + kk[None, :]
+    w_ptr = W + cols.to(tl.int64)[:, None] * stride_w + kk[None, :]
+    acc = tl.zeros([BM, BN], tl.float32)
+    for k0 in range(0, K, BK):
+        k_ok = (k0 + kk) < K
+        h = tl.load(h_ptr + k0, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        w = tl.load(w_ptr + k0, mask=col_ok[:, None] & k_ok[None, :], other=0.0)
+        if IEEE:  # fp32 weights: exact fp32 products, not TF32
+            acc = tl.dot(h, tl.trans(w), acc, input_precision="ieee")
+        else:
+            acc = tl.dot(h, tl.trans(w), acc)
+
+    ok = row_ok[:, None] & col_ok[None, :]
+    score = acc
+    if SAMPLE:
+        temp = tl.load(TEMP + rows // T, mask=row_ok, other=0.0)
+        score = acc * (1.0 / tl.where(temp > 0, temp, 1.0))[:, None]
+    score = tl.where(ok & (score == score), score, float("-inf"))  # NaN never wins
+    key = tl.where(ok, _vocab_key(score, cols[None, :], V), _INT64_MIN)
+    tl.store(KEYS + rows.to(tl.int64) * N_TILES + pn, tl.max(key, 1), mask=row_ok)
+    if SAMPLE:
+        top = tl.max(score, 1)
+        e = tl.exp(score - tl.where(top > float("-inf"), top, 0.0)[:, None])
+        sums = tl.sum(tl.reshape(e, [BM, BN // G, G]), 2)
+        g = pn * (BN // G) + tl.arange(0, BN // G)
+        tl.store(SUMS + rows.to(tl.int64)[:, None] * N_GROUPS + g[None, :], sums,
+                 mask=row_ok[:, None] & (g[None, :] < N_GROUPS))
+
+
+@triton.jit
+def _key_value(key):
+    """The fp32 score in a ``_vocab_key``'s high half (the inverse of its order map)."""
+    hi = (key >> 32).to(tl.int32)
+    return tl.where(hi < 0, hi ^ 0x7FFFFFFF, hi).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _pick_kernel(KEYS, SUMS, H, W, TEMP, SEED, OUT, V, K, T, N_TILES, N_GROUPS, stride_h, stride_w,
+                 TILES_P2: tl.constexpr, GROUPS_P2: tl.constexpr, GROUPS_PER_TILE: tl.constexpr,
+                 G: tl.constexpr, BK: tl.constexpr, SAMPLE: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    t = tl.arange(0, TILES_P2)
+    keys = tl.load(KEYS + row * N_TILES + t, mask=t < N_TILES, other=_INT64_MIN)
+    best = tl.max(keys, 0)
+    token = (V - 1) - (best & 0xFFFFFFFF)
+    top = _key_value(best)
+    if SAMPLE:
+        temp = tl.load(TEMP + row // T)
+        if (temp > 0) & (top > float("-inf")):
+            g = tl.arange(0, GROUPS_P2)
+            g_ok = g < N_GROUPS
+            tile_top = _key_value(tl.load(KEYS + row * N_TILES + g // GROUPS_PER_TILE, mask=g_ok, other=0))
+            s = tl.load(SUMS + row * N_GROUPS + g, mask=g_ok, other=0.0)
+            w = tl.where(g_ok & (s > 0), s.to(tl.float64) * tl.exp(tile_top - top).to(tl.float64), 0.0)
+            cum = tl.cumsum(w, 0)
+            r0, r1, _, _ = tl.randint4x(tl.load(SEED), row)
+            u = r0.to(tl.uint32).to(tl.float64) * 2.3283064365386963e-10 \
+                + r1.to(tl.uint32).to(tl.float64) * 5.421010862427522e-20  # [0, 1), 64 random bits
+            target = u * tl.max(cum, 0)
+            last = tl.max(tl.where(w > 0, g, -1), 0)  # rounding never picks a weightless group
+            pick = tl.minimum(tl.sum((cum <= target).to(tl.int32), 0), last)
+            rest = target - tl.max(tl.where(g < pick, cum, 0.0), 0)
+            # the picked group's logits again (fp32), in the row's units: exp(logit / T - top)
+            c = pick * G + tl.arange(0, G)
+            c_ok = c < V
+            kk = tl.arange(0, BK)
+            acc = tl.zeros([G], tl.float32)
+            for k0 in range(0, K, BK):
+                k_ok = (k0 + kk) < K
+                h = tl.load(H + row * stride_h + k0 + kk, mask=k_ok, other=0.0).to(tl.float32)
+                wt = tl.load(W + c.to(tl.int64)[:, None] * stride_w + k0 + kk[None, :],
+                             mask=c_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
+                acc += tl.sum(wt * h[None, :], 1)
+            x = acc * (1.0 / temp) - top  # as the GEMM's epilogue scales
+            p = tl.where(c_ok & (x == x), tl.exp(x).to(tl.float64), 0.0)
+            i = tl.arange(0, G)
+            inside = tl.minimum(tl.sum((tl.cumsum(p, 0) <= rest).to(tl.int32), 0),
+                                tl.max(tl.where(p > 0, i, -1), 0))
+            # (all 16 underflowed to 0 after recomputing: the group's first entry)
+            token = (pick * G + tl.maximum(inside, 0)).to(tl.int64)
+    tl.store(OUT + row, token.to(tl.int64))
+
+
+# (rows up to, (BM, BN, BK, warps, stages)) for bf16/fp16 (``scripts/device/profile_lm_head.py``);
+# fp32 (a check mode: FMA dots) takes small tiles whatever the rows.
+_PLANS = ((32, (16, 256, 64, 4, 3)), (64, (64, 128, 64, 4, 3)), (128, (128, 128, 64, 8, 3)),
+          (None, (128, 256, 64, 8, 3)))
+_FP32_PLAN = (32, 64, 32, 4, 2)
+
+
+def lm_head_plan(rows: int, dtype: torch.dtype) -> tuple[int, int, int, int, int]:
+    if dtype == torch.float32:
+        return _FP32_PLAN
+    return next(plan for limit, plan in _PLANS if limit is None or rows <= limit)
+
+
+def lm_head_sample_triton(hidden: torch.Tensor, weight: torch.Tensor, temperature: torch.Tensor,
+                          seed: torch.Tensor, rows_per_seq: int, sampling: bool,
+                          plan: tuple[int, int, int, int, int] | None = None) -> torch.Tensor:
+    """hidden [M, H] (M = N * rows_per_seq), weight [V, H] (same dtype), temperature [N] -> [M]
+    int64 tokens: a draw from softmax(logits / T) for rows with T > 0 (``sampling`` must then be
+    true), the first argmax of the logits for T <= 0. ``seed`` (int64 [1] on the device) is
+    advanced by one when ``sampling``, on the stream, so each replay of a graph draws afresh."""
+    M, Hd = hidden.shape
+    V = weight.shape[0]
+    assert weight.shape[1] == Hd and hidden.dtype == weight.dtype
+    hidden = hidden if hidden.stride(1) == 1 else hidden.contiguous()
+    weight = weight if weight.stride(1) == 1 else weight.contiguous()
+    BM, BN, BK, warps, stages = plan or lm_head_plan(M, hidden.dtype)
+    assert BN % GROUP == 0
+    n_tiles, n_groups = triton.cdiv(V, BN), triton.cdiv(V, GROUP)
+    temperature = temperature.float().contiguous()
+    keys = torch.empty(M, n_tiles, dtype=torch.long, device=hidden.device)
+    sums = torch.empty(M, n_groups, dtype=torch.float32, device=hidden.device) if sampling else keys
+    out = torch.empty(M, dtype=torch.long, device=hidden.device)
+    _lm_head_kernel[(triton.cdiv(M, BM), n_tiles)](
+        hidden, weight, temperature, keys, sums, M, V, Hd, rows_per_seq, n_tiles, n_groups,
+        hidden.stride(0), weight.stride(0), BM=BM, BN=BN, BK=BK, G=GROUP, SAMPLE=sampling,
+        IEEE=hidden.dtype == torch.float32, num_warps=warps, num_stages=stages)
+    _pick_kernel[(M,)](keys, sums, hidden, weight, temperature, seed, out, V, Hd, rows_per_seq,
+                       n_tiles, n_groups, hidden.stride(0), weight.stride(0),
+                       TILES_P2=triton.next_power_of_2(n_tiles),
+                       GROUPS_P2=triton.next_power_of_2(n_groups) if sampling else 1,
+                       GROUPS_PER_TILE=BN // GROUP, G=GROUP, BK=64, SAMPLE=sampling,
+                       num_warps=8 if sampling else 1)
+    if sampling:
+        seed.add_(1)
+    return out
