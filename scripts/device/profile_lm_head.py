@@ -66,6 +66,7 @@ def main():
     p = argparse.ArgumentParser()
     p.add_argument("--out", default="profile_lm_head.json")
     p.add_argument("--rows", default="1,4,16,32,64,128,256,512,1024,2048,4096")
+    p.add_argument("--default-plans-only", action="store_true", help="time lm_head_plan's choice, no sweep")
     args = p.parse_args()
     dev = torch.device("cuda")
     gen = torch.Generator(device=dev).manual_seed(0)
@@ -85,7 +86,8 @@ def main():
                "two_pass_sample_us": graph_us(lambda: sample_gumbel_triton(logits()[None], temp[:1], seed)),
                "gemm_only_us": graph_us(logits)}
         sweep = []
-        for plan in plans_for(rows):
+        default = lm_head_plan(rows, torch.bfloat16)
+        for plan in [default] if args.default_plans_only else plans_for(rows):
             try:
                 g = graph_us(lambda: lm_head_sample_triton(hidden, weight, zero, seed, rows, False, plan))
                 s = graph_us(lambda: lm_head_sample_triton(hidden, weight, temp, seed, rows, True, plan))
@@ -96,7 +98,6 @@ def main():
         ok = [x for x in sweep if "error" not in x]
         best_g = min(ok, key=lambda x: x["greedy_us"])
         best_s = min(ok, key=lambda x: x["sample_us"])
-        default = lm_head_plan(rows, torch.bfloat16)
         d = next((x for x in ok if tuple(x["plan"]) == default), None)
         row.update(sweep=sweep, best_greedy=best_g, best_sample=best_s, default_plan=default,
                    default_greedy_us=d and d["greedy_us"], default_sample_us=d and d["sample_us"])
