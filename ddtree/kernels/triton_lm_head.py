@@ -13,9 +13,13 @@ Two launches:
    over the V / 16 group weights, so a rare token's interval is not lost to fp32 rounding near Z),
    then the 16 logits of that group are recomputed (16 x H multiply-adds) to pick the token.
 
-Why not the Gumbel-max trick in the epilogue: one uniform per vocabulary entry. On the H200 the
-Philox draws cost more than the GEMM (2,048 rows: 277 us fused greedy, 646 us fused Gumbel;
-``bench/results/profile_lm_head_h200.json``); the inverse CDF draws one uniform per row.
+On the H200 at the SmolLM2 shape (H = 576, V = 49152, bf16; ``scripts/device/profile_lm_head.py``,
+``bench/results/profile_lm_head_h200.json``), against cuBLAS into fp32 logits then argmax /
+``sample_gumbel_triton``: 2,048 rows 345 -> 282 us greedy, 545 -> 379 us sampled; 4,096 rows
+690 -> 542 / 1,093 -> 735 us; one row 27.9 -> 18.8 us greedy, but 24.2 -> 26.4 us sampled.
+Why not the Gumbel-max trick in the epilogue: one uniform per vocabulary entry, and the Philox
+draws cost more than the GEMM (2,048 rows: 646 us;
+``bench/results/profile_lm_head_gumbel_epilogue_rejected_h200.json``).
 Rounding: group weights are fp32 sums of fp32 exponentials and the picked group's logits are
 recomputed in another summation order, so probabilities carry ~1e-7 relative error (as any fp32
 sampler's); the token picked is always one with nonzero weight. NaN logits never win and have

@@ -1,5 +1,6 @@
-"""One sample per row of logits in one launch (the CUDA path of ``sample_from_logits`` for
-unfiltered sampling): the Gumbel-max trick, argmax(logits / T + G) with G = -log(-log U) drawn by
+"""One sample per row of fp32 logits in one launch. The engine's CUDA path for unfiltered sampling
+until the fused LM head (``triton_lm_head``) took its place, which writes no logits; kept as that
+kernel's two-pass baseline in ``scripts/device/profile_lm_head.py``. The Gumbel-max trick, argmax(logits / T + G) with G = -log(-log U) drawn by
 Triton's Philox from a seed the graph reads from the device, is a draw from softmax(logits / T).
 It replaces the torch path (temperature, softmax, exponential race, division, argmax over
 [N, T, V]): a T = 1 round's accept stage (sampling + walk) went from 0.081 to 0.053 ms for plain
