@@ -512,21 +512,24 @@ def test_lm_head_sample_greedy_rows_take_the_first_maximal_logit(dtype):
 
 
 @needs_kernels
-def test_lm_head_sample_draws_from_softmax():
+@pytest.mark.parametrize("plan", [(16, 16, 16, 4, 1), (16, 32, 16, 4, 1)])
+def test_lm_head_sample_draws_from_softmax(plan):
     """Sampled rows are draws from softmax(logits / T): chi-square at T = 1 and 0.5 over rows that
-    share one hidden state, V = 40 over three 16-column tiles (the last one partial), a NaN logit
-    never drawn; the same seed repeats its draws and the advanced seed draws afresh."""
+    share one hidden state, V = 40 over three 16-column tiles (the last one partial) or two
+    32-column tiles of two 16-column groups (the pick scans tiles, then groups), a NaN logit never
+    drawn; the same seed repeats its draws and the advanced seed draws afresh."""
     from ddtree.kernels.triton_lm_head import lm_head_sample_triton
     gen = torch.Generator().manual_seed(5)
     H, V, rows = 16, 40, 250 if INTERPRETED else 20000  # the interpreter runs ~40 rows a second
     weight = (torch.randn(V, H, generator=gen) * 0.6).to(DEVICE)
     weight[11] = float("nan")
     h = torch.randn(H, generator=gen)
+    # the row's maximum in the last tile, so the other tiles' weights are scaled to the row's
+    weight[35] = h / h.dot(h) * ((weight[:11] @ h).max() + 0.5)
     logits = (weight.cpu().double() @ h.double()).nan_to_num(float("-inf"))
     hidden = h.expand(2 * rows, H).contiguous().to(DEVICE)
     temps = torch.tensor([1.0, 0.5], device=DEVICE)
     seed = torch.tensor([1234], device=DEVICE)
-    plan = (16, 16, 16, 4, 1)
     got = lm_head_sample_triton(hidden, weight, temps, seed, rows, True, plan).cpu().view(2, rows)
     assert int(seed) == 1235 and (got != 11).all()
     for i, t in enumerate((1.0, 0.5)):

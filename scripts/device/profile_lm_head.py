@@ -8,6 +8,8 @@ relative), and exactly on integer-valued inputs (exact logits, many ties). Sampl
 distribution is checked by tests/test_kernels.py.
 
 python scripts/device/profile_lm_head.py --out $OUT/profile_lm_head_h200.json
+python scripts/device/profile_lm_head.py --split --rows 1,64,512,2048,4096 --out $OUT/profile_lm_head_split_h200.json
+    (the default plans only, with the sampled head's two launches timed apart)
 """
 from __future__ import annotations
 
@@ -17,7 +19,7 @@ import json
 
 import torch
 
-from ddtree.kernels.triton_lm_head import lm_head_plan, lm_head_sample_triton
+from ddtree.kernels.triton_lm_head import lm_head_pick, lm_head_plan, lm_head_sample_triton, lm_head_tiles
 from ddtree.kernels.triton_sample import sample_gumbel_triton
 
 H, V = 576, 49152
@@ -62,17 +64,46 @@ def plans_for(rows: int):
         yield (bm, bn, 64, warps, stages)
 
 
+def split_launches(weight, rows_list, seed, gen) -> list[dict]:
+    """At the default plans: the whole head greedy / sampled, and the sampled head's two launches
+    apart (tiles, pick)."""
+    dev = weight.device
+    out = []
+    for rows in rows_list:
+        hidden = torch.randn(rows, H, device=dev, generator=gen).to(torch.bfloat16)
+        temp, zero = torch.ones(rows, device=dev), torch.zeros(rows, device=dev)
+        plan = lm_head_plan(rows, torch.bfloat16)
+        tiles = lm_head_tiles(hidden, weight, temp, rows, True, plan)
+        row = {"rows": rows, "plan": plan,
+               "gemm_only_us": graph_us(lambda: torch.mm(hidden, weight.t(), out_dtype=torch.float32)),
+               "greedy_us": graph_us(lambda: lm_head_sample_triton(hidden, weight, zero, seed, rows, False)),
+               "sample_us": graph_us(lambda: lm_head_sample_triton(hidden, weight, temp, seed, rows, True)),
+               "sample_tiles_us": graph_us(lambda: lm_head_tiles(hidden, weight, temp, rows, True, plan)),
+               "sample_pick_us": graph_us(lambda: lm_head_pick(tiles, hidden, weight, temp, seed, rows, True, plan))}
+        print(f"rows {rows:5d} gemm {row['gemm_only_us']:7.1f} | greedy {row['greedy_us']:7.1f} sample "
+              f"{row['sample_us']:7.1f} (tiles {row['sample_tiles_us']:7.1f} pick {row['sample_pick_us']:6.1f})",
+              flush=True)
+        out.append(row)
+    return out
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--out", default="profile_lm_head.json")
     p.add_argument("--rows", default="1,4,16,32,64,128,256,512,1024,2048,4096")
     p.add_argument("--default-plans-only", action="store_true", help="time lm_head_plan's choice, no sweep")
+    p.add_argument("--split", action="store_true", help="only the default plans, the sampled head's launches apart")
     args = p.parse_args()
     dev = torch.device("cuda")
     gen = torch.Generator(device=dev).manual_seed(0)
     weight = (torch.randn(V, H, device=dev, generator=gen) * 0.05).to(torch.bfloat16)
     seed = torch.tensor([5], device=dev)
     result = {"gpu": torch.cuda.get_device_name(), "hidden": H, "vocab": V, "calls_per_graph": CALLS, "rows": []}
+    if args.split:
+        result["split"] = split_launches(weight, [int(r) for r in args.rows.split(",")], seed, gen)
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=1)
+        return
     for rows in [int(r) for r in args.rows.split(",")]:
         hidden = torch.randn(rows, H, device=dev, generator=gen).to(torch.bfloat16)
         temp = torch.ones(rows, device=dev)
