@@ -89,6 +89,39 @@ def test_exploration_loses_at_most_its_budget_under_load():
     assert explored >= 10  # estimates are still refreshed
 
 
+def test_explorations_pay_for_their_switch_from_plain_decoding():
+    """H200 trace at concurrency 64, T=1 (MT-Bench): plain decoding is best, an 8-node tree nearly
+    as fast per round (0.96x), but the plain round before each speculative one took ~0.5 ms more
+    (the drafter's catch-up and the tree's preparation outlast its GPU time), so each exploration
+    cost far more than its rate gap. Rounds are simulated as the engine reads them: a round's time
+    is known after the next one is launched. Told of the switches, the controller keeps the whole
+    loss within its exploration budget and still explores; not told, it loses several times that."""
+    cost = {("ar", 0): 1.2, ("ddtree", 8): 2.0}
+    tau = {("ar", 0): 1.0, ("ddtree", 8): 1.6}
+    switch_cost = 0.5
+
+    def loss(report_switches: bool):
+        controller = AutoBudget(list(cost), bucket_of=lambda n: n)
+        prev, spent, tokens, explored = None, 0.0, 0.0, 0
+        for step in range(6000):
+            cand = controller.choose(64)
+            if prev is not None:
+                switch = prev == ("ar", 0) and cand != ("ar", 0)
+                seconds = cost[prev] + (switch_cost if switch else 0.0)
+                controller.observe(64, prev, seconds, tau[prev], switch=switch and report_switches)
+                if step > 200:
+                    spent, tokens = spent + seconds, tokens + tau[prev]
+                    explored += prev != ("ar", 0)
+            prev = cand
+        return spent / (tokens * cost[("ar", 0)]) - 1, explored
+
+    told, explored = loss(True)
+    untold, _ = loss(False)
+    assert told <= 0.006 and explored >= 5, (told, explored)
+    assert untold > 2 * told, (untold, told)
+    assert untold > 0.008, untold
+
+
 def test_a_stall_does_not_freeze_out_the_best_candidate():
     """A step that captured a graph is not timed, and one slow step (GC, another process)
     does not move the cost estimate (median of recent steps), so the best tree stays the choice."""

@@ -45,7 +45,11 @@ candidate with the largest tau(c) / cost(n, c):
   candidate spends its expected loss against the best (its cost times one minus its rate over
   the best's). Under load a tree round costs 3-8 plain rounds and every 32nd step exploring lost
   1-2 % of the time at concurrency 64 on the H200; at concurrency 1 rounds cost about the same
-  and the credit never binds.
+  and the credit never binds. An exploration that crosses between plain decoding and speculation
+  also pays a switch: the speculative round launched behind a plain one first catches up the
+  drafter's deferred context, and its preparation outlasts the plain round's GPU time (in an H200
+  trace at concurrency 64, T=1, the plain round before each speculative exploration took
+  1.5-1.9 ms against 1.2), so the regret adds the measured excess of such plain rounds.
 
 A rule that took the cheapest step among candidates within 5% of the best rate (meant to
 leave trees and the chain when they were barely ahead of plain decoding) was measured on the H200
@@ -75,6 +79,7 @@ from collections import deque
 # in 15 us more, rounds 0.2-0.7 % shorter; B=31 rounds were 0-3 % shorter than B=32's of an earlier
 # grid at c=4-16. The node dropped is the tree's least likely (tau the same within noise).
 AUTO_BUDGETS = (7, 15, 31, 63, 127)
+PLAIN = ("ar", 0)
 
 
 def auto_candidates(cap: int, has_drafter: bool, budgets=AUTO_BUDGETS) -> list[tuple[str, int]]:
@@ -132,6 +137,8 @@ class AutoBudget:
         self.explore_credit = 0.0  # seconds of expected loss explorations may still spend
         self.last_run: dict[tuple[str, int], int] = {}  # observation count at its latest step
         self.observed = 0
+        # excess wall time of a plain round that had a speculative one launched behind it, per bucket
+        self.switch_samples: dict[int, Recent] = {}
 
     WINDOW = 9  # recent steps whose median is a cost
 
@@ -207,22 +214,30 @@ class AutoBudget:
             # the step's expected loss against the best (at concurrency 64 a tree round costs 3-8
             # plain rounds: exploring every 32 steps lost 1-2 % of the time in an H200 trace).
             plausible = [c for c in self.candidates if c != best and rates[c] >= self.explore_margin * rates[best]
-                         and self.regret(c, costs, rates, best) <= self.explore_credit]
+                         and self.regret(c, costs, rates, best, bucket) <= self.explore_credit]
             if plausible:
                 cand = min(plausible, key=lambda c: self.last_run.get(c, -1))
-                self.explore_credit -= self.regret(cand, costs, rates, best)
+                self.explore_credit -= self.regret(cand, costs, rates, best, bucket)
                 return cand
         return best
 
-    @staticmethod
-    def regret(cand, costs: dict, rates: dict, best) -> float:
-        """Expected seconds one step of ``cand`` loses against running ``best`` for its tokens."""
-        return costs[cand] * (1 - rates[cand] / rates[best])
+    def regret(self, cand, costs: dict, rates: dict, best, bucket: int) -> float:
+        """Expected seconds one step of ``cand`` loses against running ``best`` for its tokens,
+        plus a switch between plain decoding and speculation (there or back)."""
+        switch = self.switch_samples.get(bucket) if (cand == PLAIN) != (best == PLAIN) else None
+        return costs[cand] * (1 - rates[cand] / rates[best]) + (switch.median if switch else 0.0)
 
-    def observe(self, n: int, cand, seconds: float | None, tokens_per_seq: float, fresh: bool = False) -> None:
+    def observe(self, n: int, cand, seconds: float | None, tokens_per_seq: float, fresh: bool = False,
+                switch: bool = False) -> None:
         """One step's outcome; seconds=None when its wall time is not its cost (it captured a
-        graph). ``fresh``: the round was not launched behind another."""
+        graph). ``fresh``: the round was not launched behind another. ``switch``: a plain round
+        with a speculative one launched behind it (its excess time is the switch's)."""
         bucket = self.bucket_of(n)
+        if switch and seconds is not None and cand == PLAIN:
+            base = self.step_cost(bucket, cand, fresh)
+            if base is not None:
+                self.switch_samples.setdefault(bucket, Recent(self.WINDOW)).append(max(0.0, seconds - base))
+                seconds = None  # not plain decoding's cost
         self.tries[cand] = self.tries.get(cand, 0) + 1
         self.observed += 1
         self.last_run[cand] = self.observed

@@ -278,7 +278,11 @@ class LLMEngine:
             cand, tokens_per_seq = (launched.kind.method, launched.kind.budget), sum(map(len, out)) / len(out)
             fresh = not launched.after
             if launched.by_auto:
-                self.auto.observe(len(launched.seqs), cand, seconds, tokens_per_seq, fresh=fresh)
+                # A speculative round launched behind this plain one: its preparation (and the
+                # drafter's catch-up) ran before this read, and is the switch's cost.
+                nxt = self._inflight
+                switch = cand == ("ar", 0) and nxt is not None and nxt.after and nxt.kind.method != "ar"
+                self.auto.observe(len(launched.seqs), cand, seconds, tokens_per_seq, fresh=fresh, switch=switch)
             if self.auto_trace is not None:  # every round, so plain decoding's can be compared
                 entry = {"t": now, "n": len(launched.seqs), "cand": f"{cand[0]}:{cand[1]}", "s": seconds,
                          "tau": tokens_per_seq, "after": launched.after}
