@@ -521,11 +521,12 @@ def test_lm_head_sample_draws_from_softmax(plan):
     from ddtree.kernels.triton_lm_head import lm_head_sample_triton
     gen = torch.Generator().manual_seed(5)
     H, V, rows = 16, 40, 250 if INTERPRETED else 20000  # the interpreter runs ~40 rows a second
-    weight = (torch.randn(V, H, generator=gen) * 0.6).to(DEVICE)
+    weight = torch.randn(V, H, generator=gen) * 0.6
     weight[11] = float("nan")
     h = torch.randn(H, generator=gen)
     # the row's maximum in the last tile, so the other tiles' weights are scaled to the row's
     weight[35] = h / h.dot(h) * ((weight[:11] @ h).max() + 0.5)
+    weight = weight.to(DEVICE)
     logits = (weight.cpu().double() @ h.double()).nan_to_num(float("-inf"))
     hidden = h.expand(2 * rows, H).contiguous().to(DEVICE)
     temps = torch.tensor([1.0, 0.5], device=DEVICE)
