@@ -48,8 +48,11 @@ candidate with the largest tau(c) / cost(n, c):
   and the credit never binds. An exploration that crosses between plain decoding and speculation
   also pays a switch: the speculative round launched behind a plain one first catches up the
   drafter's deferred context, and its preparation outlasts the plain round's GPU time (in an H200
-  trace at concurrency 64, T=1, the plain round before each speculative exploration took
-  1.5-1.9 ms against 1.2), so the regret adds the measured excess of such plain rounds.
+  trace at concurrency 64, T=1, the plain round before 6 of 8 speculative explorations took
+  1.5-1.9 ms against 1.2), so the regret adds the median excess of such plain rounds. In the
+  next trace (``bench_h200_trace_c64_switch_cost.json.gz``) only 4 of 9 showed an excess
+  (0.3-0.4 ms), the median stayed ~0.01 ms and explorations were as frequent as before (9 against
+  8 full-batch rounds): the charge binds only where switches are costly most of the time.
 
 A rule that took the cheapest step among candidates within 5% of the best rate (meant to
 leave trees and the chain when they were barely ahead of plain decoding) was measured on the H200

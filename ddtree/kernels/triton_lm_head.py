@@ -22,17 +22,20 @@ against 477 us greedy, 740 against 662 sampled; the best is now an fp32 max, the
 column), and the group sums as three tensor-core dots of bf16 slices of the exponentials against a
 0/1 group indicator (exact, but 870 against 662 us sampled).
 
-On the H200 at the SmolLM2 shape (H = 576, V = 49152, bf16; ``scripts/device/profile_lm_head.py``,
-``bench/results/profile_lm_head_h200.json``), against cuBLAS into fp32 logits then argmax /
-``sample_gumbel_triton``: 2,048 rows 345 -> 282 us greedy, 545 -> 379 us sampled; 4,096 rows
-690 -> 542 / 1,093 -> 735 us; one row 27.9 -> 18.8 us greedy, but 24.2 -> 26.4 us sampled.
+On the H200 at the SmolLM2 shape (H = 576, V = 49152, bf16; ``scripts/device/profile_lm_head.py``),
+against cuBLAS into fp32 logits then argmax / ``sample_gumbel_triton``
+(``bench/results/profile_lm_head_h200.json``, the first version): 2,048 rows 345 -> 282 us greedy,
+545 -> 379 us sampled; 4,096 rows 690 -> 542 / 1,093 -> 735 us; one row 27.9 -> 18.8 us greedy,
+but 24.2 -> 26.4 us sampled. Now (``profile_lm_head_split_h200.json``; a bare cuBLAS GEMM
+into fp32 takes 218 / 470 us): 2,048 rows 253 us greedy, 308 sampled (tiles 285, pick 22);
+4,096 rows 488 / 614 (565 + 37); one row 18.5 / 26.5.
 Why not the Gumbel-max trick in the epilogue: one uniform per vocabulary entry, and the Philox
 draws cost more than the GEMM (2,048 rows: 646 us;
 ``bench/results/profile_lm_head_gumbel_epilogue_rejected_h200.json``).
-Rounding: group weights are fp32 sums of fp32 exponentials and the picked group's logits are
-recomputed in another summation order, so probabilities carry ~1e-7 relative error (as any fp32
-sampler's); the token picked is always one with nonzero weight. NaN logits never win and have
-weight 0.
+Rounding: group weights are fp32 sums of fp32 exponentials (tile weights fp32 sums of those),
+and the picked group's logits are recomputed in another summation order, so probabilities carry
+~1e-7 relative error (as any fp32 sampler's); the token picked is always one with nonzero weight.
+NaN logits never win and have weight 0.
 """
 from __future__ import annotations
 
