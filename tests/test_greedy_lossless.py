@@ -257,3 +257,35 @@ def test_graph_path_bookkeeping_emulated(smol, tokenizer, prompts, ar_reference,
     assert llm.engine.overlapped_rounds > 5
     if budget == "auto":  # auto tries plain rounds (deferred context), then padded catch-ups ran
         assert llm.engine.runner.catch_up_graphs and llm.engine.runner.caught_up_tokens
+
+
+@pytest.mark.parametrize("method,budget", [("ar", 0), ("ddtree", 12)])
+def test_joins_wait_under_load(smol, tokenizer, prompts, ar_reference, method, budget):
+    """A request arriving at a running batch waits join_wait_rounds rounds for a group (rounds
+    keep being launched behind unread ones meanwhile), then joins; two arriving together join at
+    the next round. Every output stays AR-exact."""
+    llm = make_llm(smol, tokenizer, method=method, budget=budget, drafter=SHIPPED, overlap_steps=True,
+                   max_budget=16, max_num_seqs=6, join_wait_rounds=5)
+    engine = llm.engine
+    engine.scheduler.join_group = 2  # a batch of 3 wants 2 joiners (16 at the real group size)
+    params = lambda n: SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)  # noqa: E731
+    seqs = [engine.add_request(p, params(60)) for p in prompts[:3]]
+    while engine.scheduler.rounds < 3:
+        engine.step()
+    seqs.append(late := engine.add_request(prompts[3], params(20)))
+    arrived, overlapped = engine.scheduler.rounds, engine.overlapped_rounds
+    while late.status.value == "waiting":
+        engine.step()
+    assert 5 <= engine.scheduler.rounds - arrived <= 6
+    assert engine.overlapped_rounds > overlapped  # the batch did not stop for it
+    pair = [engine.add_request(p, params(20)) for p in prompts[4:6]]
+    arrived = engine.scheduler.rounds
+    while any(s.status.value == "waiting" for s in pair):
+        engine.step()
+    assert engine.scheduler.rounds - arrived <= 2
+    seqs += pair
+    while engine.has_unfinished():
+        engine.step()
+    for seq, n in zip(seqs, [60, 60, 60, 20, 20, 20]):
+        assert engine.output(seq).token_ids == ar_reference[tuple(seq.token_ids[:seq.num_prompt_tokens])][:n]
+    assert engine.scheduler.joins == 2 and engine.blocks.num_free == engine.blocks.num_blocks

@@ -44,7 +44,7 @@ def test_round_behind_an_unread_one_reserves_for_every_sequence_or_none():
     assert blocks.num_free == 3
     launched = []
     engine = LLMEngine.__new__(LLMEngine)
-    engine.scheduler = SimpleNamespace(waiting=[], running=list(seqs))
+    engine.scheduler = SimpleNamespace(admits=lambda: False, running=list(seqs))
     engine.runner = SimpleNamespace(lookahead=lambda method, budget: 4, can_launch_after=lambda seqs: True)
     engine.blocks, engine.max_model_len, engine.overlapped_rounds = blocks, 64, 0
     engine._launch = lambda seqs, method, budget, after=None: launched.append(seqs) or "round"
@@ -56,3 +56,54 @@ def test_round_behind_an_unread_one_reserves_for_every_sequence_or_none():
         blocks.free.append(s.block_table.pop())  # give back one each: 3 free, 2 needed each
     assert engine._launch_after(prev) is None
     assert blocks.num_free == 3 and [len(s.block_table) for s in seqs] == [2, 2, 2]
+
+
+def test_joins_wait_for_a_group_or_the_wait_limit():
+    """Under load a waiting request joins once ceil(running / 16) can join (free slots, not more)
+    or it has waited join_wait_rounds rounds; an empty batch, or a light one, takes it at once;
+    one that does not fit the free blocks never stops the batch."""
+    blocks = BlockManager(num_blocks=200, block_size=4)
+    sched = Scheduler(blocks, max_num_seqs=40, max_num_batched_tokens=4096, join_wait_rounds=8)
+    first = _seqs([5] * 32, lookahead=1)
+    for s in first:
+        sched.add(s)
+    assert sched.admits()  # nothing running: at once
+    assert sched.schedule()[0] == "prefill" and len(sched.running) == 32 and sched.joins == 0
+    for s in first:
+        s.num_cached = len(s) - 1
+    sched.rounds = 10
+    late = _seqs([5, 5], lookahead=1)
+    sched.add(late[0])
+    assert not sched.admits()  # 32 running want a group of 2
+    kind, ready, _ = sched.schedule()
+    assert kind == "decode" and len(ready) == 32 and list(sched.waiting) == [late[0]]
+    sched.rounds = 17
+    assert not sched.admits()
+    sched.rounds = 18  # waited 8 rounds
+    assert sched.admits()
+    sched.rounds = 11
+    sched.add(late[1])  # a group of two
+    assert sched.admits()
+    assert sched.schedule()[0] == "prefill" and len(sched.running) == 34 and sched.joins == 1
+    # Free slots bound the group: 38 of 40 running, two free, a group of ceil(38 / 16) = 3 waits.
+    more = _seqs([5] * 8, lookahead=1)
+    for s in more[:4]:
+        sched.add(s)
+    sched.schedule()
+    for s in more[4:7]:
+        sched.add(s)
+    assert len(sched.running) == 38 and not sched.admits()
+    sched.max_num_seqs = 41
+    assert sched.admits()  # three free slots now
+    # A light batch (at most 16 running) takes a request at once.
+    light = Scheduler(BlockManager(num_blocks=64, block_size=4), max_num_seqs=40, max_num_batched_tokens=4096,
+                      join_wait_rounds=8)
+    for s in _seqs([5] * 16, lookahead=1):
+        light.add(s)
+    light.schedule()
+    light.add(more[7])
+    assert light.admits()
+    # One that does not fit waits without stopping the batch, however long it waited.
+    light.blocks.free = light.blocks.free[:1]
+    light.rounds += 100
+    assert not light.admits()

@@ -71,7 +71,7 @@ def run_closed_loop(llm, prompt_ids, method, budget, temperature, max_tokens, co
     runner.settle_prefill_spans()
     runner.timer.totals.clear()
     runner.stage_seconds.clear()
-    calls0 = runner.decode_calls
+    calls0, joins0 = runner.decode_calls, engine.scheduler.joins
     engine.step_choices.clear()
     if engine.auto_trace is not None:
         engine.auto_trace = []
@@ -108,6 +108,7 @@ def run_closed_loop(llm, prompt_ids, method, budget, temperature, max_tokens, co
     # 1 / time-per-output-token.
     decode = [(s.num_output_tokens - first[s.seq_id][1]) / (started[s.seq_id] + t - first[s.seq_id][0])
               for s, t in done if s.num_output_tokens > first[s.seq_id][1]]
+    ttft = sorted(first[s.seq_id][0] - started[s.seq_id] for s, _ in done)
     trace = {}
     if engine.auto_trace:
         trace["auto_trace"] = [{**e, "t": e["t"] - start} for e in engine.auto_trace]
@@ -115,7 +116,9 @@ def run_closed_loop(llm, prompt_ids, method, budget, temperature, max_tokens, co
             "per_request_tokens_per_s": statistics.median(s.num_output_tokens / t for s, t in done),
             "per_request_decode_tokens_per_s": statistics.median(decode) if decode else None,
             "tau": sum(lengths) / len(lengths), "verify_steps": len(lengths),
-            "engine_decode_steps": runner.decode_calls - calls0,
+            "engine_decode_steps": runner.decode_calls - calls0, "joins": engine.scheduler.joins - joins0,
+            # time to first token: queueing + prefill + first round (joins wait, see Scheduler)
+            "ttft_s_p50": ttft[len(ttft) // 2], "ttft_s_p90": ttft[int(0.9 * (len(ttft) - 1))],
             "split_s": split, "auto_choices": {f"{m}:{b}": k for (m, b), k in engine.step_choices.items()}}
 
 
@@ -140,44 +143,54 @@ def warm_up(llm, batch, method, budget, temperature, c, lengths) -> None:
 
 
 def bench(llm, prompts: dict[str, list[list[int]]], methods, concurrency, temperatures, max_tokens,
-          repeats: int, per_run=lambda c: max(8, 4 * c), on_row=None, fixed_lengths: bool = False) -> list[dict]:
+          repeats: int, per_run=lambda c: max(8, 4 * c), on_row=None, fixed_lengths: bool = False,
+          join_waits: list[int] | None = None) -> list[dict]:
     """per_run(c): requests in one closed-loop run at concurrency c (prompts reused in order when
     there are fewer); on_row(rows) after each row (the CLI saves partial results, so a cut-off run
-    still leaves data)."""
+    still leaves data). join_waits: values of the scheduler's ``join_wait_rounds`` to run every
+    method with, side by side (default: the engine's)."""
     rows = []
     default_margin = llm.engine.auto.ar_margin
+    scheduler = llm.engine.scheduler
+    join_waits = join_waits or [scheduler.join_wait_rounds]
     for name, ids in prompts.items():
         for t in temperatures:
             for c in concurrency:
-                for method, budget in methods:
-                    if is_auto(budget):  # the engine's budget is "auto"; a margin is auto's state
-                        llm.engine.auto.ar_margin = float(budget[5:]) if budget != "auto" else default_margin
-                    count = max(per_run(c), c)
-                    batch = [ids[i % len(ids)] for i in range(count)]
-                    lengths = request_lengths(max_tokens, count, fixed_lengths)
-                    warm_up(llm, batch, method, budget, t, c, lengths)  # then repeats; median reported
-                    runs = [run_closed_loop(llm, batch, method, budget, t, lengths, c) for _ in range(repeats)]
-                    best = sorted(runs, key=lambda r: r["tokens_per_s"])[len(runs) // 2]
-                    # One more run with per-stage graphs and events (fixed methods: auto's steps are
-                    # the fixed methods' steps, and its per-stage graphs would be captured mid-run).
-                    if llm.engine.runner.use_graphs and not is_auto(budget):
-                        llm.engine.runner.profile_stages = True
-                        for b in [b for b in GRAPH_BUCKETS if b < c] + [c]:  # captures
-                            run_closed_loop(llm, ids[:b], method, budget, t, 4, b)
-                        prof = run_closed_loop(llm, batch, method, budget, t, lengths, c)
-                        best["split_s"], best["split_steps"] = prof["split_s"], prof["engine_decode_steps"]
-                        llm.engine.runner.profile_stages = False
-                    row = {"dataset": name, "temperature": t, "concurrency": c, "method": method,
-                           "budget": budget, "repeats": repeats,
-                           "tokens_per_s_runs": [r["tokens_per_s"] for r in runs], **best}
-                    rows.append(row)
-                    if on_row:
-                        on_row(rows)
-                    print(f"{name:9s} T={t:g} c={c:3d} {label(method, budget):13s} {row['tokens_per_s']:9.1f} tok/s "
-                          f"(decode/request {row['per_request_decode_tokens_per_s'] or 0:7.1f}) tau={row['tau']:.2f} {row['auto_choices'] if is_auto(budget) else ''}", flush=True)
-                ar = next((r for r in rows[-len(methods):] if r["method"] == "ar"), None)
-                for r in rows[-len(methods):]:
-                    r["speedup_vs_ar"] = r["tokens_per_s"] / ar["tokens_per_s"] if ar else None
+                for wait in join_waits:  # side by side: each value runs every method
+                    scheduler.join_wait_rounds = wait
+                    for method, budget in methods:
+                        if is_auto(budget):  # the engine's budget is "auto"; a margin is auto's state
+                            llm.engine.auto.ar_margin = float(budget[5:]) if budget != "auto" else default_margin
+                        count = max(per_run(c), c)
+                        batch = [ids[i % len(ids)] for i in range(count)]
+                        lengths = request_lengths(max_tokens, count, fixed_lengths)
+                        warm_up(llm, batch, method, budget, t, c, lengths)  # then repeats; median reported
+                        runs = [run_closed_loop(llm, batch, method, budget, t, lengths, c) for _ in range(repeats)]
+                        best = sorted(runs, key=lambda r: r["tokens_per_s"])[len(runs) // 2]
+                        # One more run with per-stage graphs and events (fixed methods: auto's steps are
+                        # the fixed methods' steps, and its per-stage graphs would be captured mid-run).
+                        if llm.engine.runner.use_graphs and not is_auto(budget):
+                            llm.engine.runner.profile_stages = True
+                            for b in [b for b in GRAPH_BUCKETS if b < c] + [c]:  # captures
+                                run_closed_loop(llm, ids[:b], method, budget, t, 4, b)
+                            prof = run_closed_loop(llm, batch, method, budget, t, lengths, c)
+                            best["split_s"], best["split_steps"] = prof["split_s"], prof["engine_decode_steps"]
+                            llm.engine.runner.profile_stages = False
+                        row = {"dataset": name, "temperature": t, "concurrency": c, "method": method,
+                               "budget": budget, "join_wait_rounds": wait, "repeats": repeats,
+                               "tokens_per_s_runs": [r["tokens_per_s"] for r in runs], **best}
+                        rows.append(row)
+                        if on_row:
+                            on_row(rows)
+                        tag = f"{label(method, budget)}{f' w={wait}' if len(join_waits) > 1 else ''}"
+                        print(f"{name:9s} T={t:g} c={c:3d} {tag:13s} {row['tokens_per_s']:9.1f} tok/s "
+                              f"(decode/request {row['per_request_decode_tokens_per_s'] or 0:7.1f}, "
+                              f"TTFT p50 {row['ttft_s_p50'] * 1e3:.1f} ms) tau={row['tau']:.2f} "
+                              f"{row['auto_choices'] if is_auto(budget) else ''}", flush=True)
+                    ar = next((r for r in rows[-len(methods):] if r["method"] == "ar"), None)
+                    for r in rows[-len(methods):]:
+                        r["speedup_vs_ar"] = r["tokens_per_s"] / ar["tokens_per_s"] if ar else None
+    scheduler.join_wait_rounds = join_waits[0]
     return rows
 
 
@@ -187,7 +200,9 @@ def plot(rows: list[dict], png: str | Path) -> None:
     import matplotlib.pyplot as plt
 
     first = (rows[0]["dataset"], rows[0]["temperature"])
-    sel = [r for r in rows if (r["dataset"], r["temperature"]) == first]
+    waits = list(dict.fromkeys(r.get("join_wait_rounds") for r in rows))
+    # A side-by-side of join waits: plot the first value only (the others are in the JSON).
+    sel = [r for r in rows if (r["dataset"], r["temperature"]) == first and r.get("join_wait_rounds") == waits[0]]
     fig, axes = plt.subplots(1, 3, figsize=(17, 4.5))
     for lab in dict.fromkeys(label(r["method"], r["budget"]) for r in sel):
         pts = sorted((r["concurrency"], r["tokens_per_s"]) for r in sel if label(r["method"], r["budget"]) == lab)
@@ -241,6 +256,9 @@ def main(argv=None) -> int:
                    help="auto runs speculation only when its rate beats plain decoding's by this fraction")
     p.add_argument("--auto-trace", action="store_true",
                    help="keep every round of every method (method, wall time, tokens; auto's estimates every 16 rounds) in the JSON")
+    p.add_argument("--join-waits", default=None,
+                   help="comma-separated join_wait_rounds values to run every cell with, side by side "
+                        "(default: --join-wait-rounds)")
     p.add_argument("--quick", action="store_true", help="tiny CPU run for CI: seconds, not minutes")
     p.add_argument("--out", default="bench/results/bench.json")
     p.add_argument("--png", default=None)
@@ -262,7 +280,10 @@ def main(argv=None) -> int:
               device=args.device, dtype=args.dtype, max_model_len=args.max_model_len,
               max_num_seqs=max(concurrency), max_num_batched_tokens=args.max_num_batched_tokens,
               kv_cache_gb=args.kv_cache_gb, cuda_graphs=not args.no_cuda_graphs,
-              overlap_steps=False if args.no_overlap_steps else None)
+              overlap_steps=False if args.no_overlap_steps else None, join_wait_rounds=args.join_wait_rounds)
+    join_waits = [int(w) for w in args.join_waits.split(",")] if args.join_waits else None
+    if join_waits and min(join_waits) < 0:
+        p.error(f"--join-waits must be integers >= 0, got {args.join_waits!r}")
     if args.auto_margin is not None:
         llm.engine.auto.ar_margin = args.auto_margin
     if args.auto_trace:
@@ -291,7 +312,7 @@ def main(argv=None) -> int:
         meta["gpu"] = torch.cuda.get_device_name()
     save = lambda rows: out.write_text(json.dumps({"meta": meta, "results": rows}, indent=1))  # noqa: E731
     rows = bench(llm, prompts, methods, concurrency, temps, args.max_tokens, args.repeats,
-                 per_run=per_run, on_row=save, fixed_lengths=args.fixed_lengths)
+                 per_run=per_run, on_row=save, fixed_lengths=args.fixed_lengths, join_waits=join_waits)
     save(rows)
     plot(rows, args.png or out.with_suffix(".png"))
     print(f"wrote {out}")

@@ -19,6 +19,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-model-len", type=int, default=2048, help="context length: prompt + output tokens")
     p.add_argument("--max-num-seqs", type=int, default=64, help="requests in the running batch at most")
     p.add_argument("--max-num-batched-tokens", type=int, default=2048, help="prefill tokens per step at most")
+    p.add_argument("--join-wait-rounds", type=int, default=8,
+                   help="under load, a request joining a running batch waits up to this many rounds for "
+                        "others to join with it (ceil(running/16)); 0 joins at once (default: 8)")
     p.add_argument("--kv-cache-gb", type=float, default=1.0, help="KV cache size in GiB (target + drafter)")
 
 
@@ -37,4 +40,4 @@ def llm_from_args(args):
                device=args.device, dtype=args.dtype, max_model_len=args.max_model_len,
                max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                kv_cache_gb=args.kv_cache_gb, max_budget=args.max_budget, cuda_graphs=not args.no_cuda_graphs,
-               overlap_steps=False if args.no_overlap_steps else None)
+               overlap_steps=False if args.no_overlap_steps else None, join_wait_rounds=args.join_wait_rounds)

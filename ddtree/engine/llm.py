@@ -48,15 +48,18 @@ class LLM:
                  device=None, dtype=None, max_model_len: int = 2048, max_num_seqs: int = 64,
                  max_num_batched_tokens: int = 2048, kv_cache_gb: float = 1.0, seed: int = 0,
                  tokenizer=None, max_budget: int = 128, cuda_graphs: bool = True,
-                 overlap_steps: bool | None = None):
+                 overlap_steps: bool | None = None, join_wait_rounds: int = 8):
         """target: None (default SmolLM2), a HF folder, a .gguf file, or a loaded DecoderLM (then
         pass ``tokenizer`` too, or None to work on token ids only). budget: a DDTree node budget,
         or "auto" to choose per step among plain decoding, the chain and trees up to
         ``max_budget``. cuda_graphs: capture decode steps on CUDA. overlap_steps: launch the next
-        decode round before reading the current one (None: wherever rounds are CUDA graphs)."""
+        decode round before reading the current one (None: wherever rounds are CUDA graphs).
+        join_wait_rounds: under load a request joining a running batch waits for a group to
+        join with it, at most this many rounds (0: joins at once; see ``Scheduler``)."""
         config = EngineConfig(method=method, budget=budget, max_budget=max_budget, max_model_len=max_model_len,
                               max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-                              kv_cache_gb=kv_cache_gb, cuda_graphs=cuda_graphs, overlap_steps=overlap_steps)
+                              kv_cache_gb=kv_cache_gb, cuda_graphs=cuda_graphs, overlap_steps=overlap_steps,
+                              join_wait_rounds=join_wait_rounds)
         config.validate()  # fail fast, before loading weights
         torch.manual_seed(seed)
         self.device = torch.device(device) if device is not None else default_device()

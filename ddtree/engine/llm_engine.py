@@ -46,6 +46,9 @@ class EngineConfig:
     # Launch the next decode round before reading the current one (the host's bookkeeping then
     # overlaps the GPU's work). None: on wherever rounds are CUDA graphs.
     overlap_steps: bool | None = None
+    # Under load, a request joining a running batch waits until a group can join or this many
+    # rounds have passed (see Scheduler); 0 admits at once.
+    join_wait_rounds: int = 8
 
     def validate(self) -> None:
         if self.method not in METHODS:
@@ -61,6 +64,9 @@ class EngineConfig:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
         if self.overlap_steps not in (None, True, False):
             raise ValueError(f"overlap_steps must be true, false or null, got {self.overlap_steps!r}")
+        if isinstance(self.join_wait_rounds, bool) or not isinstance(self.join_wait_rounds, int) \
+                or self.join_wait_rounds < 0:
+            raise ValueError(f"join_wait_rounds must be an integer >= 0, got {self.join_wait_rounds!r}")
         if not self.kv_cache_gb > 0:
             raise ValueError(f"kv_cache_gb must be > 0, got {self.kv_cache_gb!r}")
 
@@ -98,7 +104,7 @@ class LLMEngine:
             raise ValueError(f"kv_cache_gb={config.kv_cache_gb} holds {num_blocks * config.block_size} tokens, "
                              f"fewer than one request of max_model_len {self.max_model_len} needs ({need})")
         self.scheduler = Scheduler(self.blocks, config.max_num_seqs,
-                                   max(config.max_num_batched_tokens, 1))
+                                   max(config.max_num_batched_tokens, 1), config.join_wait_rounds)
         self.seqs: dict[str, Sequence] = {}
         overlap = config.overlap_steps
         self.overlap_steps = self.runner.use_graphs if overlap is None else overlap
@@ -221,6 +227,7 @@ class LLMEngine:
             method, budget = cand = self.auto.choose(len(seqs), fresh=after is None)
             self.step_choices[cand] += 1
         graphs_before = self.runner.num_captured
+        self.scheduler.rounds += 1
         started = time.perf_counter()
         launched = self.runner.launch(seqs, method, budget, store_context=auto, after=after)
         launched.started, launched.by_auto = started, auto
@@ -229,14 +236,14 @@ class LLMEngine:
 
     def _launch_after(self, prev: Launched) -> Launched | None:
         """The next round for the same batch, launched before ``prev`` is read, when nothing else
-        is due: no request waiting, every sequence still running with room for both rounds
-        (blocks reserved here) within max_model_len. A sequence that finishes within ``prev``
+        is due: no request joining (``Scheduler.admits``), every sequence still running with
+        room for both rounds (blocks reserved here) within max_model_len. A sequence that finishes within ``prev``
         (a stop token, EOS or max_tokens) drops this round's tokens, as an aborted one does: not
         launching whenever some sequence might reach max_tokens within ``prev`` left most
         speculative rounds at batch >= 4 without overlap once lengths differ (in an H200 trace at
         concurrency 16, 175 of 204 8-node-tree rounds ran unoverlapped, ~0.3 ms slower each)."""
         seqs = prev.seqs
-        if (self.scheduler.waiting or len(self.scheduler.running) != len(seqs)
+        if (self.scheduler.admits() or len(self.scheduler.running) != len(seqs)
                 or any(s.is_finished for s in seqs)):
             return None
         # One group: every sequence has the same method, budget and lookahead.

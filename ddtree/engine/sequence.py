@@ -46,6 +46,7 @@ class Sequence:
         self.method, self.budget = method, budget  # speculative settings of this request
         self.lookahead = 1  # cache slots one verify step writes past the prefix (set by the engine)
         self.status = Status.WAITING
+        self.waiting_since = 0  # the scheduler's round count when it (re)entered the queue
         self.num_cached = 0
         self.block_table: list[int] = []
         # First position whose drafter context is only in the runner's tap cache (the prefill and
