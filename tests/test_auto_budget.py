@@ -2,7 +2,7 @@
 import itertools
 import random
 
-from ddtree.engine.auto_budget import AutoBudget, auto_candidates
+from ddtree.engine.auto_budget import AutoBudget, Recent, auto_candidates
 from ddtree import SamplingParams
 from ddtree.engine.llm import SHIPPED_DRAFTERS
 
@@ -120,6 +120,44 @@ def test_explorations_pay_for_their_switch_from_plain_decoding():
     assert told <= 0.006 and explored >= 5, (told, explored)
     assert untold > 2 * told, (untold, told)
     assert untold > 0.008, untold
+
+
+def test_plain_decoding_is_measured_when_every_plain_round_is_a_switch():
+    """H200 trace at concurrency 64, T=1 (MT-Bench, bench_h200_trace_c64_join_wait.json.gz):
+    plain decoding's estimate was stale at 1.54 ms (start-up curve plus an old overhead) against
+    1.2 ms real, so an 8-node tree (2.0 ms, tau 1.6) won; each plain exploration was one round
+    followed by a tree round, a switch, whose time is not plain decoding's cost, so the estimate
+    never moved and auto ran 294 tree rounds at 0.95x plain decoding's speed. A plain exploration
+    now runs two rounds (the first is measured) and a few rounds of its own may lower a
+    candidate's estimate: the controller returns to plain decoding."""
+    plain, tree = ("ar", 0), ("ddtree", 8)
+    cost, tau, switch_cost = {plain: 1.2, tree: 2.0}, {plain: 1.0, tree: 1.6}, 0.6
+    controller = AutoBudget([plain, tree], bucket_of=lambda n: n)
+    controller.prior = {(64, plain): 1.0, (64, tree): 1.9}
+    for _ in range(9):  # overhead of plain rounds measured under another load
+        controller.overhead_samples.setdefault((64, False, True), Recent(9)).append(0.54)
+    controller.tries = {plain: 4}
+    for _ in range(4):
+        controller.observe(64, tree, cost[tree], tau[tree])
+    assert controller.best(64) == tree
+    prev, spent, tokens, runs, back = None, 0.0, 0.0, {plain: 0, tree: 0}, None
+    for step in range(3000):
+        cand = controller.choose(64)
+        if back is None and controller.best(64) == plain:
+            back = step
+        if prev is not None:
+            switch = prev == plain and cand != plain
+            seconds = cost[prev] + (switch_cost if switch else 0.0)
+            controller.observe(64, prev, seconds, tau[prev], switch=switch)
+            if step > 1000:
+                spent, tokens = spent + seconds, tokens + tau[prev]
+                runs[prev] += 1
+        prev = cand
+    # Back within 100 rounds (320 with only the two-round exploration: a whole run at c=64 is ~300).
+    assert back is not None and back < 100, back
+    assert controller.best(64) == plain
+    assert runs[plain] > 0.9 * sum(runs.values()), runs
+    assert spent / (tokens * cost[plain]) - 1 < 0.01
 
 
 def test_a_stall_does_not_freeze_out_the_best_candidate():

@@ -142,6 +142,7 @@ class AutoBudget:
         self.observed = 0
         # excess wall time of a plain round that had a speculative one launched behind it, per bucket
         self.switch_samples: dict[int, Recent] = {}
+        self.plain_again = False  # a plain exploration's second round is due
 
     WINDOW = 9  # recent steps whose median is a cost
 
@@ -160,6 +161,10 @@ class AutoBudget:
             # fresh full-batch rounds at 0.84x plain decoding's speed, and auto ran 0.97x AR.
             if other is not None and len(other) >= self.min_tries:
                 cost = min(cost, other.median)
+            # A few rounds of its own may lower the estimate, never raise it: one too low is
+            # corrected by the rounds it then wins, one too high would never be.
+            if own:
+                cost = min(cost, own.median)
             return cost
         few = own or other
         return few.median if few else None
@@ -212,6 +217,9 @@ class AutoBudget:
         step = costs[best]
         self.explore_credit = min(self.explore_credit + self.explore_budget * step,
                                   self.explore_budget * step * self.explore_every * 8)
+        if self.plain_again:  # the measured round of a plain exploration (see regret)
+            self.plain_again = False
+            return PLAIN
         if self.steps % self.explore_every == 0:
             # Only refresh candidates that could plausibly win, and only when the credit covers
             # the step's expected loss against the best (at concurrency 64 a tree round costs 3-8
@@ -221,14 +229,19 @@ class AutoBudget:
             if plausible:
                 cand = min(plausible, key=lambda c: self.last_run.get(c, -1))
                 self.explore_credit -= self.regret(cand, costs, rates, best, bucket)
+                self.plain_again = cand == PLAIN
                 return cand
         return best
 
     def regret(self, cand, costs: dict, rates: dict, best, bucket: int) -> float:
-        """Expected seconds one step of ``cand`` loses against running ``best`` for its tokens,
-        plus a switch between plain decoding and speculation (there or back)."""
+        """Expected seconds an exploration of ``cand`` loses against running ``best`` for its
+        tokens, plus a switch between plain decoding and speculation (there or back). Plain
+        decoding explored from speculation runs two rounds: a plain round followed by a
+        speculative one is a switch, whose time is not plain decoding's cost, so a single
+        plain round would never be measured."""
         switch = self.switch_samples.get(bucket) if (cand == PLAIN) != (best == PLAIN) else None
-        return costs[cand] * (1 - rates[cand] / rates[best]) + (switch.median if switch else 0.0)
+        rounds = 2 if cand == PLAIN and best != PLAIN else 1
+        return rounds * costs[cand] * (1 - rates[cand] / rates[best]) + (switch.median if switch else 0.0)
 
     def observe(self, n: int, cand, seconds: float | None, tokens_per_seq: float, fresh: bool = False,
                 switch: bool = False) -> None:
