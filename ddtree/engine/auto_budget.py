@@ -52,7 +52,11 @@ candidate with the largest tau(c) / cost(n, c):
   1.5-1.9 ms against 1.2), so the regret adds the median excess of such plain rounds. In the
   next trace (``bench_h200_trace_c64_switch_cost.json.gz``) only 4 of 9 showed an excess
   (0.3-0.4 ms), the median stayed ~0.01 ms and explorations were as frequent as before (9 against
-  8 full-batch rounds): the charge binds only where switches are costly most of the time.
+  8 full-batch rounds): the charge binds only where switches are costly most of the time. As
+  a plain round followed by a speculative one is a switch, a plain exploration from speculation
+  runs two rounds, the first measured: with one, plain decoding was never measured while trees
+  led, its estimate stuck 0.34 ms high, and auto ran 8-node trees at 0.95x plain decoding's speed
+  (H200, concurrency 64, ``bench_h200_trace_c64_join_wait.json.gz``).
 
 A rule that took the cheapest step among candidates within 5% of the best rate (meant to
 leave trees and the chain when they were barely ahead of plain decoding) was measured on the H200
