@@ -265,6 +265,12 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     if args.min_requests < 1:
         p.error(f"--min-requests must be at least 1, got {args.min_requests}")
+    try:
+        join_waits = [int(w) for w in args.join_waits.split(",")] if args.join_waits else None
+    except ValueError:
+        join_waits = [-1]
+    if join_waits and min(join_waits) < 0:
+        p.error(f"--join-waits must be integers >= 0, got {args.join_waits!r}")
     if args.quick:
         args.device = args.device or "cpu"
         args.methods, args.concurrency, args.temperatures = "ar,dflash,ddtree:8,auto", "1,2", "0"
@@ -281,9 +287,6 @@ def main(argv=None) -> int:
               max_num_seqs=max(concurrency), max_num_batched_tokens=args.max_num_batched_tokens,
               kv_cache_gb=args.kv_cache_gb, cuda_graphs=not args.no_cuda_graphs,
               overlap_steps=False if args.no_overlap_steps else None, join_wait_rounds=args.join_wait_rounds)
-    join_waits = [int(w) for w in args.join_waits.split(",")] if args.join_waits else None
-    if join_waits and min(join_waits) < 0:
-        p.error(f"--join-waits must be integers >= 0, got {args.join_waits!r}")
     if args.auto_margin is not None:
         llm.engine.auto.ar_margin = args.auto_margin
     if args.auto_trace:
