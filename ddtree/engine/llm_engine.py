@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ddtree.engine.auto_budget import AutoBudget, auto_candidates
+from ddtree.engine.auto_budget import PLAIN, AutoBudget, auto_candidates
 from ddtree.engine.block_manager import BlockManager
 from ddtree.engine.runner import (CATCH_UP_BUCKETS, GRAPH_BUCKETS, METHODS, PREFILL_BUCKETS,
                                   PREFILL_SEQ_BUCKETS, Launched, ModelRunner)
@@ -237,8 +237,9 @@ class LLMEngine:
     def _launch_after(self, prev: Launched) -> Launched | None:
         """The next round for the same batch, launched before ``prev`` is read, when nothing else
         is due: no request joining (``Scheduler.admits``), every sequence still running with
-        room for both rounds (blocks reserved here) within max_model_len. A sequence that finishes within ``prev``
-        (a stop token, EOS or max_tokens) drops this round's tokens, as an aborted one does: not
+        room for both rounds (blocks reserved here) within max_model_len. A sequence that
+        finishes within ``prev`` (a stop token, EOS or max_tokens) drops this round's tokens, as
+        an aborted one does: not
         launching whenever some sequence might reach max_tokens within ``prev`` left most
         speculative rounds at batch >= 4 without overlap once lengths differ (in an H200 trace at
         concurrency 16, 175 of 204 8-node-tree rounds ran unoverlapped, ~0.3 ms slower each)."""
@@ -288,7 +289,7 @@ class LLMEngine:
                 # A speculative round launched behind this plain one: its preparation (and the
                 # drafter's catch-up) ran before this read, and is the switch's cost.
                 nxt = self._inflight
-                switch = cand == ("ar", 0) and nxt is not None and nxt.after and nxt.kind.method != "ar"
+                switch = cand == PLAIN and nxt is not None and nxt.after and nxt.kind.method != "ar"
                 self.auto.observe(len(launched.seqs), cand, seconds, tokens_per_seq, fresh=fresh, switch=switch)
             if self.auto_trace is not None:  # every round, so plain decoding's can be compared
                 entry = {"t": now, "n": len(launched.seqs), "cand": f"{cand[0]}:{cand[1]}", "s": seconds,
