@@ -1,22 +1,27 @@
 #!/usr/bin/env bash
-# Continue the shipped drafter on fresh responses (phases 3 and 4 of the model card): a greedy pass
-# and a seeded T=1 pass over the 19,166 training prompts (T1_SEED: use one the drafter has not seen;
-# phase 3 used 1, phase 4 used 2), --distill 0.5, a fresh AdamW from the shipped weights, and the
-# cosine fitted to the device time: `finish` sets the run's length from the measured step rate so
-# the learning rate reaches zero within the call. Back-to-back device calls while the machine
-# stays warm (see stage_and_run.md): gguf.r00..r06 staged in /tmp/stage, and
-# train_prompts.jsonl (gunzip'ed) there by a call of its own (with r07 it would pass 64 MiB).
-#   T1_SEED=3 bash scripts/device/train_continue.sh start    # carry .stage/gguf.r07: join, two
-#                                                           # passes, train
+# Continue the shipped drafter on fresh responses (phases 3-5 of the model card): a greedy pass and
+# a seeded T=1 pass over the 19,166 training prompts (T1_SEED: use one the drafter has not seen;
+# phase 3 used 1, phase 4 used 2, phase 5 used 3), --distill 0.5, a fresh AdamW from the shipped
+# weights, and the cosine fitted to the device time: `finish` sets the run's length from the
+# measured step rate so the learning rate reaches zero within the call. Back-to-back device calls
+# while the machine stays warm (see stage_and_run.md). Phase 5 (2026-12-03) staged in three calls
+# (.whl + r00 + r01, r02 + r03, r04 + r05), with bench/results moved out of the tree except
+# eval_drafter.json (finish and measure read it), then ran `start` in the fourth, carrying
+# r06, r07, .stage/train_prompts.jsonl (`ddtree train-drafter prompts --n-sharegpt 40000
+# --n-gsm8k 7473 --n-code 6000`, 6.2 MB) and .stage/eval_prompts.json (60.6 MiB in all).
+#   cp .stage/gguf.r06 .stage/train_prompts.jsonl /tmp/stage/ &&
+#   T1_SEED=4 bash scripts/device/train_continue.sh start    # join, two passes, train
 #   bash scripts/device/train_continue.sh finish   # carry .stage/eval_prompts.json: train to the
 #                                                  # end, export (split for $OUT), tau old and new
 #   bash scripts/device/train_continue.sh measure  # carry .stage/eval_prompts.json: the grid with
 #                                                  # the better of the two drafters (METHODS=...)
 # The run's checkpoint lives in the machine's /tmp (its optimizer state is too big for $OUT), so
 # `start` also brings its weights back (partial_model.safetensors.p*, partial_small.tar): if the
-# machine goes back between calls (it did on 2026-12-03, after phase 5's first call), restage,
+# machine goes back between calls (it did on 2026-12-03, after the first try at phase 5's first call), restage,
 # rebuild the folder from those files, carry it and rerun `start` with INIT=<folder>: a fresh
 # optimizer and cosine from the partial weights instead of starting the phase over.
+# `finish` fits the run's length to the first call's step rate; if the second call runs faster
+# (phase 5: ~2.5 then ~5.3 steps/s) the cosine ends early and the rest of LAST_MINUTES goes unused.
 set -euo pipefail
 export PYTHONPATH=/tmp/site:$PWD DDTREE_CACHE_DIR=/tmp/ddcache PYTHONUNBUFFERED=1 TQDM_MININTERVAL=30
 G=/tmp/stage/SmolLM2-135M-Instruct.Q4_1.gguf
