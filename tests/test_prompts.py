@@ -105,12 +105,12 @@ def test_builder_removes_injected_eval_prompts(tmp_path):
     assert src["code"]["contaminated"] == len(code_bad)
     assert src["gsm8k"]["contaminated_exact"] == len(gsm8k_bad)
     assert stats["contaminated"] == len(sharegpt_bad) + len(code_bad) + len(gsm8k_bad)
-    assert all(src[s]["extra_candidates"] == len(extra[s]) for s in P.SOURCES)
+    assert all(src[s]["extra_candidates"] == len(extra.get(s, ())) for s in P.SOURCES)
     for bad in sharegpt_bad + code_bad + gsm8k_bad:
         assert bad.strip() not in texts
     assert set(keep.values()) <= set(texts)  # clean injected prompts are kept
     assert duplicate.strip() not in texts and src["sharegpt"]["duplicate"] >= 1
-    assert [src[s]["written"] for s in P.SOURCES] == [6, 3, 3] and len(rows) == 12
+    assert [src[s]["written"] for s in P.SOURCES] == [6, 3, 3, 0] and len(rows) == 12
 
 
 @pytest.fixture(scope="module")
@@ -167,3 +167,73 @@ def test_missing_gsm8k_is_a_clear_error(tmp_path, capsys):
     assert P.main(["--out", str(tmp_path / "o.jsonl"), "--gsm8k", str(missing)]) == 2
     assert "--gsm8k" in capsys.readouterr().err
     assert P.DEFAULT_GSM8K.name == "gsm8k_train.jsonl" and P.DEFAULT_GSM8K.parent.parent.name == "shared"
+
+
+def _conversation(*turns):
+    return {"conversations": [{"from": "human" if i % 2 == 0 else "gpt", "value": t} for i, t in enumerate(turns)]}
+
+
+def test_later_turns_come_with_their_recent_context(tmp_path):
+    path = tmp_path / "sharegpt.json"
+    long_reply = "word " * 500  # 2,500 characters: more than the whole context budget
+    convs = [
+        _conversation("Tell me about tides.", "Tides come from the moon.", "Why twice a day?",
+                      "Two bulges.", "Shorter please."),
+        _conversation("Write a long essay.", long_reply, "Now summarise it in one line."),
+        {"conversations": [{"from": "human", "value": "Hi there, how are you?"}, {"from": "human", "value": "Hello??"},
+                           {"from": "gpt", "value": "Hi."}, {"from": "human", "value": "What is rain?"}]},
+        {"conversations": [{"from": "gpt", "value": "I start."}, {"from": "human", "value": "Fine then."}]},
+    ]
+    path.write_text(json.dumps(convs), encoding="utf-8")
+    stats = {}
+    got = list(P.iter_sharegpt_later(path, stats, max_context_chars=70))
+    assert got == [
+        ("Why twice a day?", [{"role": "user", "content": "Tell me about tides."},
+                              {"role": "assistant", "content": "Tides come from the moon."}]),
+        # the whole context (61 characters) and the turn (15) pass 70: only the latest pair stays
+        ("Shorter please.", [{"role": "user", "content": "Why twice a day?"},
+                             {"role": "assistant", "content": "Two bulges."}]),
+    ]
+    assert stats == {"conversations_read": 4, "not_user_first": 1, "turns_read": 3, "context_too_long": 1,
+                     "not_alternating": 1}
+
+
+def test_builder_checks_the_context_of_later_turns(tmp_path):
+    mt = mtbench_prompts()
+    ctx = [{"role": "user", "content": "Give me a recipe for pancakes."},
+           {"role": "assistant", "content": "Mix flour, eggs and milk, then fry thin rounds."}]
+    other = [{"role": "user", "content": "Tell me a story about a dragon."},
+             {"role": "assistant", "content": "Once upon a time a small dragon learned to fly."}]
+    bad_ctx = [{"role": "user", "content": mt[3]["turns"][0]}, ctx[1]]
+    foreign_ctx = [{"role": "user", "content": "Necesito un ejemplo de una clase en la cual se simule la api"}, ctx[1]]
+    extra = {"sharegpt_later": [("Make it shorter.", bad_ctx), ("Make it shorter.", foreign_ctx),
+                                ("Thanks, and " + mt[4]["turns"][0], ctx),
+                                ("Make it shorter.", ctx), ("  MAKE it shorter!", ctx),  # a duplicate: same turn and context
+                                ("Make it shorter.", other)]}
+    out = tmp_path / "p.jsonl"
+    stats = P.build_prompts(out, n_sharegpt=0, n_gsm8k=0, n_code=0, n_sharegpt_later=2, extra_candidates=extra)
+    s = stats["sources"]["sharegpt_later"]
+    assert (s["contaminated"], s["non_english"], s["duplicate"], s["written"]) == (2, 1, 1, 2)
+    rows = _read_jsonl(out)
+    assert sorted(r["messages"][0]["content"] for r in rows) == sorted([ctx[0]["content"], other[0]["content"]])
+    assert all(r["source"] == "sharegpt_later" and r["messages"][-1] == {"role": "user", "content": "Make it shorter."}
+               for r in rows)
+
+
+def test_small_build_with_later_turns(tmp_path):
+    out = tmp_path / "later.jsonl"
+    stats = P.build_prompts(out, n_sharegpt=5, n_gsm8k=0, n_code=0, n_sharegpt_later=40, seed=0)
+    rows = _read_jsonl(out)
+    later = [r for r in rows if r["source"] == "sharegpt_later"]
+    assert len(later) == 40 and len(rows) == 45
+    eval_grams = set().union(*(_shingles(t) for t in eval_texts()))
+    for r in later:
+        roles = [m["role"] for m in r["messages"]]
+        assert len(roles) >= 3 and roles == ["user", "assistant"] * (len(roles) // 2) + ["user"]
+        assert sum(len(m["content"]) for m in r["messages"]) <= P.MAX_CONTEXT_CHARS
+        assert not any(_shingles(m["content"]) & eval_grams for m in r["messages"])
+    assert stats["sources"]["sharegpt_later"]["conversations_read"] < 200  # streamed
+    # the first turns are the same prompts as in a build without later turns
+    P.build_prompts(tmp_path / "first.jsonl", n_sharegpt=5, n_gsm8k=0, n_code=0, seed=0)
+    first = {r["messages"][0]["content"] for r in _read_jsonl(tmp_path / "first.jsonl")}
+    assert first == {r["messages"][0]["content"] for r in rows if r["source"] == "sharegpt"}

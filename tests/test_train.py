@@ -156,3 +156,20 @@ def test_generation_passes_are_seeded(tmp_path, smol_dir):
         runs[name] = torch.load(tmp_path / f"{name}.pt")["tokens"]
     assert torch.equal(runs["a"], runs["b"])
     assert not torch.equal(runs["a"], runs["c"])
+
+
+def test_long_conversations_lose_their_oldest_pairs_first():
+    from ddtree.train.generate import prompt_within
+
+    class OneTokenPerChar:  # stands in for LLM.apply_chat_template
+        def apply_chat_template(self, messages):
+            return [ord(c) for m in messages for c in "|" + m["content"]]
+
+    conv = [{"role": "user", "content": "a" * 10}, {"role": "assistant", "content": "b" * 10},
+            {"role": "user", "content": "c" * 10}, {"role": "assistant", "content": "d" * 10},
+            {"role": "user", "content": "last turn"}]
+    tok = OneTokenPerChar()
+    assert prompt_within(tok, conv, 100) == tok.apply_chat_template(conv)
+    assert prompt_within(tok, conv, 35) == tok.apply_chat_template(conv[2:])  # 54 tokens, then 32, then 10
+    assert prompt_within(tok, conv, 12) == tok.apply_chat_template(conv[4:])
+    assert prompt_within(tok, conv, 5) == tok.apply_chat_template(conv[4:])[:5]  # a single turn is cut at its end

@@ -23,6 +23,16 @@ def load_sequences(path: Path) -> dict:
             "generated_tokens": 0, "seconds": 0.0}
 
 
+def prompt_within(llm: LLM, messages: list[dict], limit: int) -> list[int]:
+    """The templated prompt in at most ``limit`` tokens: a conversation first loses its oldest
+    (user, assistant) pairs, so the last user turn stays whole; a single turn is cut at its end."""
+    ids = llm.apply_chat_template(messages)
+    while len(ids) > limit and len(messages) >= 3:
+        messages = messages[2:]
+        ids = llm.apply_chat_template(messages)
+    return ids[:limit]
+
+
 def generate_responses(prompts_path: str | Path, out_path: str | Path, target=None, max_new_tokens: int = 256,
                        chunk: int = 1024, max_prompts: int | None = None, temperatures=(0.0, 1.0),
                        max_seconds: float | None = None, device=None, dtype=None, max_num_seqs: int = 512,
@@ -46,7 +56,7 @@ def generate_responses(prompts_path: str | Path, out_path: str | Path, target=No
         batch = prompts[data["done"]:data["done"] + chunk]
         ids, params = [], []
         for i, p in enumerate(batch):
-            prompt_ids = llm.apply_chat_template(p["messages"])[: 1024 - max_new_tokens - 1]
+            prompt_ids = prompt_within(llm, p["messages"], 1024 - max_new_tokens - 1)
             ids.append(prompt_ids)
             params.append(SamplingParams(temperature=temperatures[(data["done"] + i) % len(temperatures)],
                                          max_tokens=max_new_tokens))

