@@ -1,6 +1,7 @@
 """Drafter training on a tiny target: loss goes down, the training forward equals the inference
 forward, export -> load keeps the drafter's outputs."""
 import json
+import math
 
 import pytest
 import torch
@@ -173,3 +174,37 @@ def test_long_conversations_lose_their_oldest_pairs_first():
     assert prompt_within(tok, conv, 35) == tok.apply_chat_template(conv[2:])  # 54 tokens, then 32, then 10
     assert prompt_within(tok, conv, 12) == tok.apply_chat_template(conv[4:])
     assert prompt_within(tok, conv, 5) == tok.apply_chat_template(conv[4:])[:5]  # a single turn is cut at its end
+
+
+def test_time_based_schedule_ends_the_run_at_its_minutes(tmp_path):
+    """--minutes: the cosine follows training time summed over resumes, and the run ends there
+    whatever the step rate; a resume may be given more minutes, as with --steps."""
+    target = tiny_target()
+    write_sequences(tmp_path / "responses.pt")
+    cfg = dict(num_layers=1, num_taps=2, block_size=4, steps=10**6, batch_size=2, anchors=4, max_len=64, lr=1e-2,
+               warmup=0.1)
+    ticks = iter(range(10**6))
+    clock = lambda: float(next(ticks))  # one second per reading: one reading per step
+
+    def log_lrs():
+        return [json.loads(line)["lr"] for line in (tmp_path / "run" / "train_log.jsonl").read_text().splitlines()]
+
+    out = train_drafter(target, tmp_path / "responses.pt", tmp_path / "run", TrainConfig(**cfg, minutes=0.5),
+                        log_every=1, now=clock)
+    assert out["done"] and out["step"] == 30 and out["minutes"] >= 0.5
+    lrs = log_lrs()
+    peak = lrs.index(max(lrs))
+    assert peak == 2 and max(lrs) > 0.99e-2  # warm-up over 3 of the 30 seconds, then the cosine
+    assert all(a >= b for a, b in zip(lrs[peak:], lrs[peak + 1:])) and lrs[-1] == 0.0
+    assert lrs[14] == pytest.approx(0.5e-2 * (1 + math.cos(math.pi * (15 / 30 - 0.1) / 0.9)), rel=1e-6)
+
+    # A resume given 1 minute in all continues the cosine from where the first call stopped (31 s:
+    # the reading at the save counts too) to 60 s, one step per second.
+    more = train_drafter(target, tmp_path / "responses.pt", tmp_path / "run", TrainConfig(**cfg, minutes=1.0),
+                         log_every=1, now=clock)
+    assert more["done"] and more["step"] == 59
+    lrs = log_lrs()[30:]
+    assert lrs[0] == pytest.approx(0.5e-2 * (1 + math.cos(math.pi * (32 / 60 - 0.1) / 0.9)), rel=1e-6)
+    assert lrs[-1] == 0.0
+    with pytest.raises(ValueError, match="minutes"):
+        train_drafter(target, tmp_path / "responses.pt", tmp_path / "run4", TrainConfig(**cfg, minutes=0))

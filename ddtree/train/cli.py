@@ -47,6 +47,9 @@ def add_parser(sub) -> None:
                         "sampled token)")
     s.add_argument("--init", default=None, help="continue from this exported drafter folder (fresh optimizer)")
     s.add_argument("--max-minutes", type=float, default=None, help="stop and checkpoint after this long")
+    s.add_argument("--minutes", type=float, default=None,
+                   help="run the cosine over this many training minutes, summed over resumes, and end "
+                        "there (instead of over --steps, which then only caps the run)")
     s.set_defaults(func=_train)
 
     s = stages.add_parser("export", help="write the z-lab checkpoint folder")
@@ -88,7 +91,7 @@ def _train(args) -> int:
                          dtype=torch.bfloat16 if device.type == "cuda" else torch.float32)
     cfg = TrainConfig(num_layers=args.layers, num_taps=args.taps, block_size=args.block_size, steps=args.steps,
                       batch_size=args.batch_size, anchors=args.anchors, max_len=args.max_len, lr=args.lr,
-                      seed=args.seed, init=args.init, distill=args.distill)
+                      seed=args.seed, init=args.init, distill=args.distill, minutes=args.minutes)
     print(json.dumps(train_drafter(target, args.data, args.run_dir, cfg, max_minutes=args.max_minutes)))
     return 0
 

@@ -46,6 +46,9 @@ class TrainConfig:
     seed: int = 0
     init: str | None = None        # start from this exported drafter (its shape wins over the fields above)
     distill: float = 0.0           # weight of the target-distribution term (1 - distill on the sampled token)
+    minutes: float | None = None   # the cosine runs over this many training minutes (summed over resumes)
+                                   # instead of over `steps`, and the run ends there: a run split across
+                                   # device calls of unknown speed uses all of its time (steps then vary)
 
 
 def new_drafter(target: DecoderLM, cfg: TrainConfig) -> DFlashDrafter:
@@ -185,8 +188,9 @@ def sample_anchors(lengths, starts, n, gen) -> torch.Tensor:
 
 
 def train_drafter(target: DecoderLM, data_path, out_dir: str | Path, cfg: TrainConfig,
-                  max_minutes: float | None = None, log_every: int = 20) -> dict:
-    """Train (or resume) a drafter; checkpoint in ``out_dir/checkpoint.pt``, log in ``train_log.jsonl``."""
+                  max_minutes: float | None = None, log_every: int = 20, now=time.perf_counter) -> dict:
+    """Train (or resume) a drafter; checkpoint in ``out_dir/checkpoint.pt``, log in ``train_log.jsonl``.
+    ``now`` is the clock of the time limits and of ``cfg.minutes`` (tests pass a fake one)."""
     if not 0 <= cfg.distill <= 1:
         raise ValueError(f"distill must be in [0, 1], got {cfg.distill}")
     out_dir = Path(out_dir)
@@ -197,8 +201,8 @@ def train_drafter(target: DecoderLM, data_path, out_dir: str | Path, cfg: TrainC
     ckpt_path = out_dir / "checkpoint.pt"
     if ckpt_path.exists():
         ckpt = torch.load(ckpt_path, map_location="cpu", weights_only=False)
-        steps = cfg.steps  # a resumed run keeps its settings but may be given a new length
-        cfg = TrainConfig(**{**ckpt["train_config"], "steps": steps})
+        # a resumed run keeps its settings but may be given a new length
+        cfg = TrainConfig(**{**ckpt["train_config"], "steps": cfg.steps, "minutes": cfg.minutes})
         drafter = DFlashDrafter(DFlashConfig(**ckpt["drafter_config"]), learned_mask=True)
         drafter.load_state_dict(ckpt["model"])
     elif cfg.init is not None:  # continue training an exported drafter with a fresh optimizer
@@ -215,9 +219,23 @@ def train_drafter(target: DecoderLM, data_path, out_dir: str | Path, cfg: TrainC
         drafter = new_drafter(target, cfg)
     drafter.to(device).train()
     opt = torch.optim.AdamW(drafter.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
-    warm = max(1, int(cfg.warmup * cfg.steps))
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / warm) * 0.5 * (
-        1 + math.cos(math.pi * min(1.0, max(0, s - warm) / max(1, cfg.steps - warm)))))
+    if cfg.minutes is not None and cfg.minutes <= 0:
+        raise ValueError(f"minutes must be > 0, got {cfg.minutes}")
+    clock = {"seconds": 0.0}  # training time so far, over resumes (the time-based schedule's x axis)
+
+    def lr_factor(s: int) -> float:
+        if cfg.minutes is None:
+            warm = max(1, int(cfg.warmup * cfg.steps))
+            return min(1.0, (s + 1) / warm) * 0.5 * (
+                1 + math.cos(math.pi * min(1.0, max(0, s - warm) / max(1, cfg.steps - warm))))
+        x = min(1.0, clock["seconds"] / (cfg.minutes * 60))
+        warm = min(1.0, x / cfg.warmup) if cfg.warmup > 0 else 1.0
+        return warm * 0.5 * (1 + math.cos(math.pi * max(0.0, x - cfg.warmup) / (1 - cfg.warmup)))
+
+    def out_of_time() -> bool:
+        return cfg.minutes is not None and clock["seconds"] >= cfg.minutes * 60
+
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_factor)
     gen = torch.Generator().manual_seed(cfg.seed)
     step, elapsed = 0, 0.0
     if ckpt is not None:
@@ -225,6 +243,7 @@ def train_drafter(target: DecoderLM, data_path, out_dir: str | Path, cfg: TrainC
         sched.load_state_dict(ckpt["scheduler"])
         gen.set_state(ckpt["rng"])
         step, elapsed = ckpt["step"], ckpt["elapsed"]
+    clock["seconds"] = elapsed
     S = cfg.block_size
     gamma = cfg.gamma or 7.0 * S / 16
     weights = torch.exp(-torch.arange(S - 1, device=device, dtype=torch.float32) / gamma)
@@ -233,11 +252,11 @@ def train_drafter(target: DecoderLM, data_path, out_dir: str | Path, cfg: TrainC
     lm_head_w = target.lm_head.weight
     amp = dict(device_type=device.type, dtype=torch.bfloat16, enabled=device.type == "cuda")
     log = (out_dir / "train_log.jsonl").open("a")
-    start = time.perf_counter()
+    start = now()
     bar = tqdm(total=cfg.steps, initial=step, desc="train-drafter")
     last = {}
-    while step < cfg.steps:
-        if max_minutes is not None and (time.perf_counter() - start) / 60 > max_minutes:
+    while step < cfg.steps and not out_of_time():
+        if max_minutes is not None and (now() - start) / 60 > max_minutes:
             break
         idx = torch.randint(len(data), (cfg.batch_size,), generator=gen).tolist()
         ids, lengths, starts = data.batch(idx)
@@ -271,6 +290,7 @@ def train_drafter(target: DecoderLM, data_path, out_dir: str | Path, cfg: TrainC
         loss.backward()
         gnorm = torch.nn.utils.clip_grad_norm_(drafter.parameters(), cfg.grad_clip)
         opt.step()
+        clock["seconds"] = elapsed + now() - start
         sched.step()
         step += 1
         bar.update(1)
@@ -280,16 +300,16 @@ def train_drafter(target: DecoderLM, data_path, out_dir: str | Path, cfg: TrainC
             last = {"step": step, "loss": float(loss.detach()), "grad_norm": float(gnorm), "lr": sched.get_last_lr()[0],
                     "acc_by_depth": [round(float(a), 4) for a in acc],
                     **{k: round(float(v), 4) for k, v in extra.items()},
-                    "minutes": round((elapsed + time.perf_counter() - start) / 60, 2)}
+                    "minutes": round(clock["seconds"] / 60, 2)}
             log.write(json.dumps(last) + "\n")
             log.flush()
             bar.set_postfix(loss=f"{float(loss.detach()):.3f}", acc1=f"{float(acc[0]):.2f}")
     bar.close()
-    elapsed += time.perf_counter() - start
+    elapsed += now() - start
     torch.save({"model": drafter.state_dict(), "optimizer": opt.state_dict(), "scheduler": sched.state_dict(),
                 "rng": gen.get_state(), "step": step, "elapsed": elapsed, "train_config": asdict(cfg),
                 "drafter_config": {k: v for k, v in asdict(drafter.config).items()}}, ckpt_path)
-    return {"step": step, "done": step >= cfg.steps, "minutes": elapsed / 60, **last}
+    return {"step": step, "done": step >= cfg.steps or out_of_time(), "minutes": elapsed / 60, **last}
 
 
 def export_drafter(out_dir: str | Path, export_dir: str | Path, dtype=torch.bfloat16) -> Path:

@@ -2,8 +2,8 @@
 # Continue the shipped drafter on fresh responses (phases 3-5 of the model card): a greedy pass and
 # a seeded T=1 pass over the 19,166 training prompts (T1_SEED: use one the drafter has not seen;
 # phase 3 used 1, phase 4 used 2, phase 5 used 3), --distill 0.5, a fresh AdamW from the shipped
-# weights, and the cosine fitted to the device time: `finish` sets the run's length from the
-# measured step rate so the learning rate reaches zero within the call. Back-to-back device calls
+# weights, and the cosine fitted to the device time (`--minutes`: the learning rate reaches zero
+# when `finish`'s call ends). Back-to-back device calls
 # while the machine stays warm (see stage_and_run.md). Phase 5 (2026-12-03) staged in three calls
 # (.whl + r00 + r01, r02 + r03, r04 + r05), with bench/results moved out of the tree except
 # eval_drafter.json (finish and measure read it), then ran `start` in the fourth, carrying
@@ -25,8 +25,9 @@
 # machine goes back between calls (it did on 2026-12-03, after the first try at phase 5's first call), restage,
 # rebuild the folder from those files, carry it and rerun `start` with INIT=<folder>: a fresh
 # optimizer and cosine from the partial weights instead of starting the phase over.
-# `finish` fits the run's length to the first call's step rate; if the second call runs faster
-# (phase 5: ~2.5 then ~5.3 steps/s) the cosine ends early and the rest of LAST_MINUTES goes unused.
+# The cosine runs over training time (`--minutes`), not steps: until phase 5, `finish` fitted the
+# run's length in steps to the first call's rate, and phase 5's second call ran ~2x faster (~2.5
+# then ~5.3 steps/s), so its cosine ended 3 of the 5.5 minutes in. (Not yet run on the device.)
 set -euo pipefail
 export PYTHONPATH=/tmp/site:$PWD DDTREE_CACHE_DIR=/tmp/ddcache PYTHONUNBUFFERED=1 TQDM_MININTERVAL=30
 G=/tmp/stage/SmolLM2-135M-Instruct.Q4_1.gguf
@@ -47,8 +48,11 @@ start)
   md5sum $G
   gen /tmp/resp_greedy.pt 0 0 | tee $OUT/responses_greedy.json
   gen /tmp/resp_t1.pt 1 ${T1_SEED:?set T1_SEED to a seed the drafter has not seen} | tee $OUT/responses_t1.json
-  # Provisional length; finish refits it. Train until ~9 min into the call.
-  $TRAIN --steps ${STEPS:-2400} --max-minutes "$(minutes_left 525)" 2>&1 | tail -1
+  # Train until ~9 min into the call, on a cosine over this call's minutes and finish's LAST_MINUTES
+  # (--minutes: by training time, so a faster or slower second call still ends it at zero).
+  FIRST=$(minutes_left 525)
+  $TRAIN --steps 1000000 --minutes "$(python3 -c "print($FIRST + ${LAST_MINUTES:-5.8})")" \
+    --max-minutes "$FIRST" 2>&1 | tail -1
   cp /tmp/run4/train_log.jsonl $OUT/
   python3 -m ddtree.cli train-drafter export --run-dir /tmp/run4 --out /tmp/export_partial
   split -b 12000000 -d /tmp/export_partial/model.safetensors $OUT/partial_model.safetensors.p
@@ -56,16 +60,11 @@ start)
   ;;
 finish)
   LAST=${LAST_MINUTES:-5.8}
-  STEPS=$(python3 - "$LAST" <<'EOF'
-import json, sys
-rows = [json.loads(l) for l in open("/tmp/run4/train_log.jsonl")]
-a, b = rows[len(rows) // 4], rows[-1]  # rate after start-up
-rate = (b["step"] - a["step"]) / ((b["minutes"] - a["minutes"]) * 60)
-print(b["step"] + int(rate * float(sys.argv[1]) * 60 * 0.93))
-EOF
-)
-  echo "run length refitted to $STEPS steps"
-  $TRAIN --steps "$STEPS" --max-minutes "$LAST" 2>&1 | tail -1
+  # The cosine ends after the training minutes done so far plus LAST (start planned the same total
+  # if its call ran its full time).
+  TOTAL=$(python3 -c "import torch; print(torch.load('/tmp/run4/checkpoint.pt', weights_only=False)['elapsed'] / 60 + $LAST)")
+  echo "schedule: $TOTAL training minutes in all"
+  $TRAIN --steps 1000000 --minutes "$TOTAL" --max-minutes "$LAST" 2>&1 | tail -1
   python3 -m ddtree.cli train-drafter export --run-dir /tmp/run4 --out /tmp/export
   split -b 12000000 -d /tmp/export/model.safetensors $OUT/model.safetensors.p
   md5sum /tmp/export/model.safetensors
