@@ -341,7 +341,7 @@ def iter_code(seed: int = 0, files_per_batch: int = 16) -> Iterator[tuple[str, s
 # ---------------------------------------------------------------------------------------------
 # builder
 
-def _source_stream(source: str, seed: int, gsm8k_path, sharegpt_file, info: dict) -> Iterator[tuple[str, str | None]]:
+def _source_stream(source: str, seed: int, gsm8k_path, sharegpt_file, info: dict) -> Iterator[tuple[str, object]]:
     if source == "sharegpt":
         return iter_sharegpt(sharegpt_file, info)
     if source == "sharegpt_later":
@@ -360,8 +360,8 @@ def build_prompts(out_path: str | os.PathLike, n_sharegpt: int = 6000, n_gsm8k: 
 
     ``extra_candidates`` maps a source name to texts tried before that source's own candidates
     (they go through every filter and count toward its quota; tests use it to inject evaluation
-    prompts; for ``sharegpt_later`` each is a ``(text, context_messages)`` pair). ``eval_texts`` / ``entry_points`` default to HumanEval + MT-Bench
-    (``ddtree.bench.datasets``). Returns the stats dict, also written to ``<out_path>.stats.json``.
+    prompts; for ``sharegpt_later`` each is a ``(text, context_messages)`` pair). ``eval_texts`` /
+    ``entry_points`` default to HumanEval + MT-Bench (``ddtree.bench.datasets``). Returns the stats dict, also written to ``<out_path>.stats.json``.
     """
     started = time.perf_counter()
     extra_candidates = dict(extra_candidates or {})
@@ -400,11 +400,10 @@ def build_prompts(out_path: str | os.PathLike, n_sharegpt: int = 6000, n_gsm8k: 
             yield from extras
             yield from _source_stream(source, seed, gsm8k_path, sharegpt_file, info)
 
-        for raw, name in candidates():
+        for raw, tag in candidates():
             if s["written"] >= wanted[source]:
                 break
-            context = name if source == "sharegpt_later" else []
-            name = None if source == "sharegpt_later" else name
+            context, name = (tag, None) if source == "sharegpt_later" else ([], tag)
             s["candidates"] += 1
             text = (raw or "").strip()
             if not MIN_CHARS <= len(text) <= MAX_CHARS:

@@ -230,7 +230,7 @@ def train_drafter(target: DecoderLM, data_path, out_dir: str | Path, cfg: TrainC
                 1 + math.cos(math.pi * min(1.0, max(0, s - warm) / max(1, cfg.steps - warm))))
         x = min(1.0, clock["seconds"] / (cfg.minutes * 60))
         warm = min(1.0, x / cfg.warmup) if cfg.warmup > 0 else 1.0
-        return warm * 0.5 * (1 + math.cos(math.pi * max(0.0, x - cfg.warmup) / (1 - cfg.warmup)))
+        return warm * 0.5 * (1 + math.cos(math.pi * max(0.0, x - cfg.warmup) / max(1e-9, 1 - cfg.warmup)))
 
     def out_of_time() -> bool:
         return cfg.minutes is not None and clock["seconds"] >= cfg.minutes * 60
