@@ -200,11 +200,13 @@ def test_time_based_schedule_ends_the_run_at_its_minutes(tmp_path):
 
     # A resume given 1 minute in all continues the cosine from where the first call stopped (31 s:
     # the reading at the save counts too) to 60 s, one step per second.
+    # Logged every 7 steps here: the result still counts every step (59, the last logged is 56).
     more = train_drafter(target, tmp_path / "responses.pt", tmp_path / "run", TrainConfig(**cfg, minutes=1.0),
-                         log_every=1, now=clock)
+                         log_every=7, now=clock)
     assert more["done"] and more["step"] == 59
     lrs = log_lrs()[30:]
-    assert lrs[0] == pytest.approx(0.5e-2 * (1 + math.cos(math.pi * (32 / 60 - 0.1) / 0.9)), rel=1e-6)
-    assert lrs[-1] == 0.0
+    assert lrs[0] == pytest.approx(0.5e-2 * (1 + math.cos(math.pi * (36 / 60 - 0.1) / 0.9)), rel=1e-6)  # step 35
+    ckpt = torch.load(tmp_path / "run" / "checkpoint.pt", weights_only=False)
+    assert ckpt["step"] == 59 and ckpt["optimizer"]["param_groups"][0]["lr"] == 0.0
     with pytest.raises(ValueError, match="minutes"):
         train_drafter(target, tmp_path / "responses.pt", tmp_path / "run4", TrainConfig(**cfg, minutes=0))

@@ -309,7 +309,8 @@ def train_drafter(target: DecoderLM, data_path, out_dir: str | Path, cfg: TrainC
     torch.save({"model": drafter.state_dict(), "optimizer": opt.state_dict(), "scheduler": sched.state_dict(),
                 "rng": gen.get_state(), "step": step, "elapsed": elapsed, "train_config": asdict(cfg),
                 "drafter_config": {k: v for k, v in asdict(drafter.config).items()}}, ckpt_path)
-    return {"step": step, "done": step >= cfg.steps or out_of_time(), "minutes": elapsed / 60, **last}
+    # the last logged batch's figures, with the run's own step count and time (not the logged ones)
+    return {**last, "step": step, "done": step >= cfg.steps or out_of_time(), "minutes": elapsed / 60}
 
 
 def export_drafter(out_dir: str | Path, export_dir: str | Path, dtype=torch.bfloat16) -> Path:

@@ -27,7 +27,10 @@
 # optimizer and cosine from the partial weights instead of starting the phase over.
 # The cosine runs over training time (`--minutes`), not steps: until phase 5, `finish` fitted the
 # run's length in steps to the first call's rate, and phase 5's second call ran ~2x faster (~2.5
-# then ~5.3 steps/s), so its cosine ended 3 of the 5.5 minutes in. (Not yet run on the device.)
+# then ~5.3 steps/s), so its cosine ended 3 of the 5.5 minutes in. Not yet used for a phase; smoke
+# test on the H200 (bench/results/minutes_smoke_h200.log): --minutes 0.5 split 0.26 + rest over
+# a resume, done at 0.5 training minutes with the learning rate down to 2 % of its peak at the last
+# logged step.
 set -euo pipefail
 export PYTHONPATH=/tmp/site:$PWD DDTREE_CACHE_DIR=/tmp/ddcache PYTHONUNBUFFERED=1 TQDM_MININTERVAL=30
 G=/tmp/stage/SmolLM2-135M-Instruct.Q4_1.gguf
