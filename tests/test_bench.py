@@ -4,6 +4,7 @@ import json
 import pytest
 
 from ddtree.bench.speed import main, parse_methods, request_lengths
+from ddtree.engine.auto_budget import auto_candidates
 
 
 def test_parse_methods():
@@ -42,7 +43,9 @@ def test_bench_quick(tmp_path):
             assert r["speedup_vs_ar"] == 1.0 and r["tau"] == 1.0
         elif r["budget"] == "auto":  # every step of an auto run is one of its candidates
             assert sum(r["auto_choices"].values()) == r["engine_decode_steps"] > 0
-            assert set(r["auto_choices"]) <= {"ar:0", "dflash:0", "ddtree:8"}
+            # --quick caps budgets at 8: auto's trees are 7 nodes (8 is one node above a candidate)
+            assert set(r["auto_choices"]) <= {f"{m}:{b}" for m, b in auto_candidates(8, True)} == {
+                "ar:0", "dflash:0", "ddtree:7"}
         else:
             assert r["split_s"]["draft"] > 0
     assert data["meta"]["device"] == "cpu"
