@@ -210,3 +210,10 @@ def test_time_based_schedule_ends_the_run_at_its_minutes(tmp_path):
     assert ckpt["step"] == 59 and ckpt["optimizer"]["param_groups"][0]["lr"] == 0.0
     with pytest.raises(ValueError, match="minutes"):
         train_drafter(target, tmp_path / "responses.pt", tmp_path / "run4", TrainConfig(**cfg, minutes=0))
+
+
+def test_train_cli_rejects_nonpositive_minutes_before_loading(tmp_path):
+    from ddtree.cli import main
+    with pytest.raises(SystemExit, match="--minutes -1.0: must be > 0"):
+        main(["train-drafter", "train", "--data", str(tmp_path / "missing.pt"), "--run-dir", str(tmp_path / "r"),
+              "--target", str(tmp_path / "no-such-target"), "--minutes", "-1"])

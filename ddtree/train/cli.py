@@ -86,6 +86,8 @@ def _train(args) -> int:
     from ddtree.engine.llm import default_device
     from ddtree.models.loader import load_target, resolve_target
     from ddtree.train.trainer import TrainConfig, train_drafter
+    if args.minutes is not None and args.minutes <= 0:  # before the target loads
+        raise SystemExit(f"--minutes {args.minutes}: must be > 0 (training minutes, summed over resumes)")
     device = torch.device(args.device) if args.device else default_device()
     target = load_target(resolve_target(args.target), device=device,
                          dtype=torch.bfloat16 if device.type == "cuda" else torch.float32)
