@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# Continue the shipped drafter on fresh responses (phases 3-5 of the model card): a greedy pass and
-# a seeded T=1 pass over the 19,166 training prompts (T1_SEED: use one the drafter has not seen;
-# phase 3 used 1, phase 4 used 2, phase 5 used 3), --distill 0.5, a fresh AdamW from the shipped
+# Continue the shipped drafter on fresh responses (phases 3-6 of the model card): a greedy pass and
+# a seeded T=1 pass over the training prompts (T1_SEED: use one the drafter has not seen;
+# phase 3 used 1, phase 4 used 2, phase 5 used 3, phase 6 used 4), --distill 0.5, a fresh AdamW from the shipped
 # weights, and the cosine fitted to the device time (`--minutes`: the learning rate reaches zero
 # when `finish`'s call ends). Back-to-back device calls
 # while the machine stays warm (see stage_and_run.md). Phase 5 (2026-12-03) staged in three calls
@@ -14,8 +14,14 @@
 # With ShareGPT's later turns (`... prompts ... --n-sharegpt-later 40000`: 38,153 prompts, 40.7 MB,
 # 12.8 MB gzipped) the file does not fit beside two GGUF parts: `gzip -9` it, `split -n 2 -d` the
 # .gz into .stage/tp.gz.00/.01, carry one with each of the second and third staging calls, and
-# `cat /tmp/stage/tp.gz.0* | gunzip > /tmp/stage/train_prompts.jsonl` in the third. Twice the
-# prompts take about twice as long per pass: set GEN_MINUTES (default 1.5) to ~3 (not measured).
+# `cat /tmp/stage/tp.gz.0* | gunzip > /tmp/stage/train_prompts.jsonl` in the third. Phase 6 did
+# (GEN_MINUTES=3 T1_SEED=4): each pass generated for 120-140 s, but the two passes with their loads
+# took 380-435 s of the call, leaving `start` 2.0-2.4 training minutes (START_SECONDS, default
+# 525, is the part of the 600 s call that `start` plans for).
+# Send `start`, `finish` and `measure` in one batch of calls: the machine goes back 30 s after a
+# call, and phase 6's `finish`, sent a minute late, found a fresh machine without the checkpoint.
+# Phase 6 then restaged, put the partial weights in place of the shipped ones and ran `start`
+# with LAST_MINUTES=0 (the cosine ends in that call) and an eval-drafter call after it.
 #   bash scripts/device/train_continue.sh finish   # carry .stage/eval_prompts.json: train to the
 #                                                  # end, export (split for $OUT), tau old and new
 #   bash scripts/device/train_continue.sh measure  # carry .stage/eval_prompts.json: the grid with
@@ -53,7 +59,7 @@ start)
   gen /tmp/resp_t1.pt 1 ${T1_SEED:?set T1_SEED to a seed the drafter has not seen} | tee $OUT/responses_t1.json
   # Train until ~9 min into the call, on a cosine over this call's minutes and finish's LAST_MINUTES
   # (--minutes: by training time, so a faster or slower second call still ends it at zero).
-  FIRST=$(minutes_left 525)
+  FIRST=$(minutes_left ${START_SECONDS:-525})
   $TRAIN --steps 1000000 --minutes "$(python3 -c "print($FIRST + ${LAST_MINUTES:-5.8})")" \
     --max-minutes "$FIRST" 2>&1 | tail -1
   cp /tmp/run4/train_log.jsonl $OUT/
