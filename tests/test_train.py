@@ -160,11 +160,14 @@ def test_generation_passes_are_seeded(tmp_path, smol_dir):
 
 
 def test_long_conversations_lose_their_oldest_pairs_first():
-    from ddtree.train.generate import prompt_within
+    from ddtree.train.generate import prompt_within, prompts_within
 
-    class OneTokenPerChar:  # stands in for LLM.apply_chat_template
+    class OneTokenPerChar:  # stands in for LLM.apply_chat_template(s)
         def apply_chat_template(self, messages):
             return [ord(c) for m in messages for c in "|" + m["content"]]
+
+        def apply_chat_templates(self, conversations):
+            return [self.apply_chat_template(c) for c in conversations]
 
     conv = [{"role": "user", "content": "a" * 10}, {"role": "assistant", "content": "b" * 10},
             {"role": "user", "content": "c" * 10}, {"role": "assistant", "content": "d" * 10},
@@ -174,6 +177,32 @@ def test_long_conversations_lose_their_oldest_pairs_first():
     assert prompt_within(tok, conv, 35) == tok.apply_chat_template(conv[2:])  # 54 tokens, then 32, then 10
     assert prompt_within(tok, conv, 12) == tok.apply_chat_template(conv[4:])
     assert prompt_within(tok, conv, 5) == tok.apply_chat_template(conv[4:])[:5]  # a single turn is cut at its end
+    # a chunk: only the conversation over the limit loses pairs, the others stay as templated
+    short = [{"role": "user", "content": "hi"}]
+    assert prompts_within(tok, [short, conv, short], 35) == [tok.apply_chat_template(short),
+                                                             tok.apply_chat_template(conv[2:]),
+                                                             tok.apply_chat_template(short)]
+
+
+def test_batched_chat_templates_equal_one_at_a_time(smol, tokenizer):
+    """generate templates a chunk in one tokenizer call: the ids must be the tokenizer's own,
+    conversation by conversation (multi-turn, system, non-ASCII, whitespace at the edges)."""
+    from conftest import make_llm
+    llm = make_llm(smol, tokenizer, method="ar")
+    convs = [[{"role": "user", "content": "Name a colour."}],
+             [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "  2+2?\n"}],
+             [{"role": "user", "content": "Übersetze: café"}, {"role": "assistant", "content": "coffee"},
+              {"role": "user", "content": "Und 'thé'? 日本語も"}]]
+    one_by_one = []
+    for c in convs:
+        ids = tokenizer.apply_chat_template(c, add_generation_prompt=True, tokenize=True)
+        one_by_one.append(list(ids["input_ids"] if hasattr(ids, "keys") else ids))
+    assert llm.apply_chat_templates(convs) == one_by_one
+    assert [llm.apply_chat_template(c) for c in convs] == one_by_one
+    assert len({len(x) for x in one_by_one}) == 3  # unpadded: the lengths differ
+    assert llm.apply_chat_templates([]) == []
+    with pytest.raises(ValueError, match="role"):
+        llm.apply_chat_templates([convs[0], [{"role": "user"}]])
 
 
 def test_time_based_schedule_ends_the_run_at_its_minutes(tmp_path):

@@ -43,7 +43,7 @@ def evaluate(llm, conversations: dict, budgets=DEFAULT_BUDGETS, temperatures=(0.
              seed=0, limit: int | None = None) -> list[dict]:
     results = []
     for name, convs in conversations.items():
-        ids = [llm.apply_chat_template(c) for c in convs[:limit]]
+        ids = llm.apply_chat_templates(convs[:limit])
         for t in temperatures:
             for method, budget in [("dflash", 0)] + [("ddtree", b) for b in budgets]:
                 r = run_setting(llm, ids, method, budget, t, max_tokens, seed)

@@ -302,7 +302,7 @@ def main(argv=None) -> int:
         convs = eval_conversations()
     per_run = lambda c: min(args.num_prompts or 10**9, max(args.min_requests, 4 * c))  # noqa: E731
     n = max(per_run(c) for c in concurrency)
-    prompts = {d: [llm.apply_chat_template(c) for c in convs[d][:n]] for d in args.datasets.split(",")}
+    prompts = {d: llm.apply_chat_templates(convs[d][:n]) for d in args.datasets.split(",")}
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     meta = {"device": str(llm.device), "dtype": str(llm.dtype), "target": str(llm.target_dir),

@@ -33,6 +33,13 @@ def prompt_within(llm: LLM, messages: list[dict], limit: int) -> list[int]:
     return ids[:limit]
 
 
+def prompts_within(llm: LLM, conversations: list[list[dict]], limit: int) -> list[list[int]]:
+    """``prompt_within`` for a chunk: one batched tokenizer call for all of them (the GPU waits
+    while the host templates a chunk), the pair-dropping loop only for those over ``limit``."""
+    ids = llm.apply_chat_templates(conversations)
+    return [x if len(x) <= limit else prompt_within(llm, c, limit) for x, c in zip(ids, conversations)]
+
+
 def generate_responses(prompts_path: str | Path, out_path: str | Path, target=None, max_new_tokens: int = 256,
                        chunk: int = 1024, max_prompts: int | None = None, temperatures=(0.0, 1.0),
                        max_seconds: float | None = None, device=None, dtype=None, max_num_seqs: int = 512,
@@ -54,12 +61,9 @@ def generate_responses(prompts_path: str | Path, out_path: str | Path, target=No
         if max_seconds is not None and time.perf_counter() - start > max_seconds:
             break
         batch = prompts[data["done"]:data["done"] + chunk]
-        ids, params = [], []
-        for i, p in enumerate(batch):
-            prompt_ids = prompt_within(llm, p["messages"], 1024 - max_new_tokens - 1)
-            ids.append(prompt_ids)
-            params.append(SamplingParams(temperature=temperatures[(data["done"] + i) % len(temperatures)],
-                                         max_tokens=max_new_tokens))
+        ids = prompts_within(llm, [p["messages"] for p in batch], 1024 - max_new_tokens - 1)
+        params = [SamplingParams(temperature=temperatures[(data["done"] + i) % len(temperatures)],
+                                 max_tokens=max_new_tokens) for i in range(len(batch))]
         t0 = time.perf_counter()
         outs = llm.generate(ids, params)
         data["seconds"] += time.perf_counter() - t0
