@@ -25,7 +25,8 @@
 #   bash scripts/device/train_continue.sh finish   # carry .stage/eval_prompts.json: train to the
 #                                                  # end, export (split for $OUT), tau old and new
 #   bash scripts/device/train_continue.sh measure  # carry .stage/eval_prompts.json: the grid with
-#                                                  # the better of the two drafters (METHODS=...)
+#                                                  # the better of the two drafters (METHODS=...);
+#   # or alone after three staging calls, carrying r06, r07 and eval_prompts: the shipped drafter
 # The run's checkpoint lives in the machine's /tmp (its optimizer state is too big for $OUT), so
 # `start` also brings its weights back (partial_model.safetensors.p*, partial_small.tar): if the
 # machine goes back between calls (it did on 2026-12-03, after the first try at phase 5's first call), restage,
@@ -93,9 +94,16 @@ for r in new:
 EOF
   ;;
 measure)
-  # The new drafter runs the grid only if its mean tau at B=32 over the four cells is higher.
+  if [ ! -f $G ]; then  # a grid alone: the staged parts and those carried with this call
+    cp .stage/gguf.r0* /tmp/stage/ 2>/dev/null || true
+    cat /tmp/stage/gguf.r0* > $G && md5sum $G
+  fi
+  # The new drafter runs the grid only if its mean tau at B=32 over the four cells is higher; on a
+  # machine without this phase's eval (a grid alone, after staging) the shipped drafter runs it.
   DRAFTER=$(python3 - <<'EOF'
-import json
+import json, os
+if not os.path.exists("/tmp/eval_new.json"):
+    raise SystemExit(0)
 def mean32(path):
     rs = [r["tau"] for r in json.load(open(path))["results"] if r["budget"] == 32]
     return sum(rs) / len(rs)
