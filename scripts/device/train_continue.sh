@@ -44,8 +44,17 @@ G=/tmp/stage/SmolLM2-135M-Instruct.Q4_1.gguf
 SHIPPED=ddtree/drafters/SmolLM2-135M-Instruct-DFlash
 T0=$(date +%s)
 minutes_left() { python3 -c "print(max(0.5, ($1 - ($(date +%s) - $T0)) / 60))"; }  # of a budget in s
-TRAIN="python3 -m ddtree.cli train-drafter train --data /tmp/resp_greedy.pt /tmp/resp_t1.pt --target $G
-  --init ${INIT:-$SHIPPED} --batch-size 32 --anchors 64 --lr ${LR:-3e-4} --distill 0.5 --run-dir /tmp/run4"
+TRAIN() {  # every response pass on the machine (`more` adds a second T=1 pass to a resumed run)
+  python3 -m ddtree.cli train-drafter train --data /tmp/resp_greedy.pt /tmp/resp_t1.pt \
+    $(ls /tmp/resp_t1b.pt 2>/dev/null) --target $G --init ${INIT:-$SHIPPED} --batch-size 32 --anchors 64 \
+    --lr ${LR:-3e-4} --distill 0.5 --run-dir /tmp/run4 "$@"
+}
+elapsed_minutes() { python3 -c "import torch; print(torch.load('/tmp/run4/checkpoint.pt', weights_only=False)['elapsed'] / 60)"; }
+export_partial() {
+  python3 -m ddtree.cli train-drafter export --run-dir /tmp/run4 --out /tmp/export_partial
+  split -b 12000000 -d /tmp/export_partial/model.safetensors $OUT/partial_model.safetensors.p
+  tar -cf $OUT/partial_small.tar -C /tmp/export_partial config.json mask_embedding.pt
+}
 gen() {  # out, temperatures, seed
   python3 -m ddtree.cli train-drafter generate --prompts /tmp/stage/train_prompts.jsonl --out "$1" --target $G \
     --max-new-tokens 256 --chunk 2048 --max-num-seqs 256 --kv-cache-gb 24 --max-minutes ${GEN_MINUTES:-1.5} \
@@ -61,20 +70,29 @@ start)
   # Train until ~9 min into the call, on a cosine over this call's minutes and finish's LAST_MINUTES
   # (--minutes: by training time, so a faster or slower second call still ends it at zero).
   FIRST=$(minutes_left ${START_SECONDS:-525})
-  $TRAIN --steps 1000000 --minutes "$(python3 -c "print($FIRST + ${LAST_MINUTES:-5.8})")" \
+  TRAIN --steps 1000000 --minutes "$(python3 -c "print($FIRST + ${LAST_MINUTES:-5.8})")" \
     --max-minutes "$FIRST" 2>&1 | tail -1
   cp /tmp/run4/train_log.jsonl $OUT/
-  python3 -m ddtree.cli train-drafter export --run-dir /tmp/run4 --out /tmp/export_partial
-  split -b 12000000 -d /tmp/export_partial/model.safetensors $OUT/partial_model.safetensors.p
-  tar -cf $OUT/partial_small.tar -C /tmp/export_partial config.json mask_embedding.pt
+  export_partial
+  ;;
+more)
+  # A middle call (phase 7): a second T=1 pass (T1_SEED2) joins the data, then the run goes on
+  # until MORE_SECONDS into the call on a cosine that still leaves finish's LAST_MINUTES.
+  gen /tmp/resp_t1b.pt 1 ${T1_SEED2:?set T1_SEED2 to another unseen seed} | tee $OUT/responses_t1b.json
+  NOW=$(minutes_left ${MORE_SECONDS:-520})
+  TOTAL=$(python3 -c "print($(elapsed_minutes) + $NOW + ${LAST_MINUTES:-4.0})")
+  echo "schedule: $TOTAL training minutes in all, $NOW in this call"
+  TRAIN --steps 1000000 --minutes "$TOTAL" --max-minutes "$NOW" 2>&1 | tail -1
+  cp /tmp/run4/train_log.jsonl $OUT/
+  export_partial
   ;;
 finish)
   LAST=${LAST_MINUTES:-5.8}
   # The cosine ends after the training minutes done so far plus LAST (start planned the same total
   # if its call ran its full time).
-  TOTAL=$(python3 -c "import torch; print(torch.load('/tmp/run4/checkpoint.pt', weights_only=False)['elapsed'] / 60 + $LAST)")
+  TOTAL=$(python3 -c "print($(elapsed_minutes) + $LAST)")
   echo "schedule: $TOTAL training minutes in all"
-  $TRAIN --steps 1000000 --minutes "$TOTAL" --max-minutes "$LAST" 2>&1 | tail -1
+  TRAIN --steps 1000000 --minutes "$TOTAL" --max-minutes "$LAST" 2>&1 | tail -1
   python3 -m ddtree.cli train-drafter export --run-dir /tmp/run4 --out /tmp/export
   split -b 12000000 -d /tmp/export/model.safetensors $OUT/model.safetensors.p
   md5sum /tmp/export/model.safetensors
