@@ -142,19 +142,28 @@ def test_distillation_lowers_the_kl_to_the_target(tmp_path):
         train_drafter(target, tmp_path / "a.pt", tmp_path / "bad", TrainConfig(distill=1.5), max_minutes=0)
 
 
-def test_generation_passes_are_seeded(tmp_path, smol_dir):
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs CUDA"))])
+def test_generation_passes_are_seeded(tmp_path, smol_dir, device, monkeypatch):
     """A second sampling pass over the same prompts with another seed gives other responses; the
-    same seed gives the same ones (so a pass can be rerun)."""
-    from ddtree.train.generate import generate_responses
+    same seed gives the same ones (so a pass can be rerun). The engine itself gets the seed: on
+    CUDA its sampler draws its seed when it is built, and seeding torch after that gave every pass
+    the same responses (phases 6 and 7 of the drafter)."""
+    from ddtree.train import generate
+    engine_seeds = []
+    engine = generate.LLM
+    monkeypatch.setattr(generate, "LLM", lambda *a, **kw: engine_seeds.append(kw.get("seed")) or engine(*a, **kw))
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("\n".join(json.dumps({"messages": [{"role": "user", "content": text}]})
                                  for text in ("Name a colour.", "Count to three.")))
     runs = {}
     for name, seed in (("a", 1), ("b", 1), ("c", 2)):
-        stats = generate_responses(prompts, tmp_path / f"{name}.pt", target=smol_dir, max_new_tokens=6,
-                                   temperatures=(1.0,), seed=seed, device="cpu", kv_cache_gb=0.05, max_num_seqs=2)
+        stats = generate.generate_responses(prompts, tmp_path / f"{name}.pt", target=smol_dir, max_new_tokens=6,
+                                            temperatures=(1.0,), seed=seed, device=device, kv_cache_gb=0.05,
+                                            max_num_seqs=2)
         assert stats["sequences"] == 2
         runs[name] = torch.load(tmp_path / f"{name}.pt")["tokens"]
+    assert engine_seeds == [1, 1, 2]
     assert torch.equal(runs["a"], runs["b"])
     assert not torch.equal(runs["a"], runs["c"])
 

@@ -51,10 +51,12 @@ def generate_responses(prompts_path: str | Path, out_path: str | Path, target=No
         prompts = prompts[:max_prompts]
     out_path = Path(out_path)
     data = load_sequences(out_path)
+    # The engine takes the seed: on CUDA its sampler draws its own seed when it is built, so seeding
+    # torch afterwards (as until 2026-12-04) left every T=1 pass on the GPU with the same responses.
+    # A resumed pass does not repeat its draws.
     llm = LLM(target=target, method="ar", device=device, dtype=dtype, max_model_len=1024,
-              max_num_seqs=max_num_seqs, max_num_batched_tokens=16384, kv_cache_gb=kv_cache_gb)
-    if seed is not None:
-        torch.manual_seed(seed + data["done"])  # a resumed pass does not repeat its draws
+              max_num_seqs=max_num_seqs, max_num_batched_tokens=16384, kv_cache_gb=kv_cache_gb,
+              seed=0 if seed is None else seed + data["done"])
     start = time.perf_counter()
     bar = tqdm(total=len(prompts), initial=data["done"], desc="responses")
     while data["done"] < len(prompts):

@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Continue the shipped drafter on fresh responses (phases 3-6 of the model card): a greedy pass and
 # a seeded T=1 pass over the training prompts (T1_SEED: use one the drafter has not seen;
-# phase 3 used 1, phase 4 used 2, phase 5 used 3, phase 6 used 4), --distill 0.5, a fresh AdamW from the shipped
+# phase 3 used 1, phase 4 used 2, phase 5 used 3, phase 6 used 4, phase 7 5 and 6; until 2026-12-04 the seed
+# did not reach the engine's CUDA sampler, so phases 6 and 7 got the same T=1 responses: use 7 or
+# more), --distill 0.5, a fresh AdamW from the shipped
 # weights, and the cosine fitted to the device time (`--minutes`: the learning rate reaches zero
 # when `finish`'s call ends). Back-to-back device calls
 # while the machine stays warm (see stage_and_run.md). Phase 5 (2026-12-03) staged in three calls
@@ -27,6 +29,13 @@
 #   bash scripts/device/train_continue.sh measure  # carry .stage/eval_prompts.json: the grid with
 #                                                  # the better of the two drafters (METHODS=...);
 #   # or alone after three staging calls, carrying r06, r07 and eval_prompts: the shipped drafter
+# Phase 7 (2026-12-04) ran one cosine over three calls after the three staging calls, sent as
+# one batch (the training minutes: ~2.1 + 5.5 + 3.8):
+#   cp .stage/gguf.r06 /tmp/stage/ && GEN_MINUTES=3 T1_SEED=5 START_SECONDS=500 LAST_MINUTES=9.5 \
+#     bash scripts/device/train_continue.sh start        # carry r06, r07, eval_prompts (516 s)
+#   GEN_MINUTES=3 T1_SEED2=6 MORE_SECONDS=500 LAST_MINUTES=3.8 bash scripts/device/train_continue.sh more   # 527 s
+#   LAST_MINUTES=3.8 bash scripts/device/train_continue.sh finish   # carry eval_prompts (371 s)
+# That used 1,504 of the session's 1,800 device seconds, with no room left for `measure`.
 # The run's checkpoint lives in the machine's /tmp (its optimizer state is too big for $OUT), so
 # `start` also brings its weights back (partial_model.safetensors.p*, partial_small.tar): if the
 # machine goes back between calls (it did on 2026-12-03, after the first try at phase 5's first call), restage,
