@@ -25,7 +25,8 @@ def add_parser(sub) -> None:
     s.add_argument("--temperatures", default="0,1",
                    help="comma list, taken in turn across prompts (a second pass with '1' and another "
                         "--seed gives other responses to the same prompts)")
-    s.add_argument("--seed", type=int, default=None, help="seed of the engine's sampling (LLM(seed=...); a resumed pass adds the prompts done)")
+    s.add_argument("--seed", type=int, default=None,
+                   help="seed of the engine's sampling (LLM(seed=...); a resumed pass adds the prompts done)")
     s.set_defaults(func=_generate)
 
     s = stages.add_parser("train", help="train (or resume) the drafter")
