@@ -49,7 +49,11 @@ def main(argv=None) -> int:
                          "(run ddtree bench with --auto-trace)")
     for r in rows:
         name = "auto" if r["budget"] == "auto" else f"{r['method']}:{r['budget']}"
-        print(f"{r['dataset']:9s} T={r['temperature']:g} {name:10s}", summarize(r))
+        # Every repeat where the bench kept them (the row's own trace is its reported repeat's).
+        for i, run in enumerate(r.get("auto_trace_runs") or [r]):
+            tag = f" #{i + 1}" if "auto_trace_runs" in r else ""
+            print(f"{r['dataset']:9s} T={r['temperature']:g} {name + tag:10s}",
+                  summarize({"concurrency": r["concurrency"], **run}))
     return 0
 
 
