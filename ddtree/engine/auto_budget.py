@@ -120,7 +120,7 @@ class Recent:
 
 class AutoBudget:
     def __init__(self, candidates: list[tuple[str, int]], bucket_of, tau_window: int = 128,
-                 explore_every: int = 32, explore_margin: float = 0.8, min_tries: int = 4,
+                 explore_every: int = 8, explore_margin: float = 0.8, min_tries: int = 4,
                  ar_margin: float = 0.0, explore_budget: float = 0.005):
         self.candidates = candidates
         self.bucket_of = bucket_of
@@ -133,7 +133,9 @@ class AutoBudget:
         self.ar_margin = ar_margin
         self.prior: dict[tuple[int, tuple[str, int]], float] = {}    # start-up profile
         self.tau: dict[tuple[str, int], float] = {("ar", 0): 1.0}
-        self.tau_recent: dict[tuple[str, int], deque] = {}  # recent tokens per sequence per step
+        # recent (sequences, tokens per sequence) per step, and their running sums (n * tau, n)
+        self.tau_recent: dict[tuple[str, int], deque] = {}
+        self.tau_sums: dict[tuple[str, int], list[float]] = {}
         self._taus: dict[tuple[str, int], float] | None = None  # tau_estimates(), cached
         # recent wall times per (bucket, candidate, fresh)
         self.samples: dict[tuple[int, tuple[str, int], bool], Recent] = {}
@@ -149,6 +151,9 @@ class AutoBudget:
         self.plain_again = False  # a plain exploration's second round is due
 
     WINDOW = 9  # recent steps whose median is a cost
+    # The credit holds at most this many steps' earnings: enough for one tree round under load
+    # (3-8 plain rounds at a rate gap of 10-30 %), not for a burst of them.
+    CREDIT_STEPS = 256
 
     def step_cost(self, bucket: int, cand, fresh: bool = False) -> float | None:
         own = self.samples.get((bucket, cand, fresh))
@@ -220,7 +225,7 @@ class AutoBudget:
         # spell of steps does not buy a burst of explorations).
         step = costs[best]
         self.explore_credit = min(self.explore_credit + self.explore_budget * step,
-                                  self.explore_budget * step * self.explore_every * 8)
+                                  self.explore_budget * step * self.CREDIT_STEPS)
         if self.plain_again:  # the measured round of a plain exploration (see regret)
             self.plain_again = False
             return PLAIN
@@ -262,7 +267,7 @@ class AutoBudget:
         self.observed += 1
         self.last_run[cand] = self.observed
         if cand != ("ar", 0):
-            self.observe_tau(cand, tokens_per_seq)
+            self.observe_tau(cand, tokens_per_seq, sequences=n)
         if seconds is None:
             return
         self.samples.setdefault((bucket, cand, fresh), Recent(self.WINDOW)).append(seconds)
@@ -270,13 +275,21 @@ class AutoBudget:
             self.overhead_samples.setdefault((bucket, fresh, cand == ("ar", 0)), Recent(self.WINDOW)).append(
                 max(0.0, seconds - self.prior[(bucket, cand)]))
 
-    def observe_tau(self, cand, tokens_per_seq: float) -> None:
-        """One step's tokens per sequence for ``cand``: from its own step, or from a bigger tree's
-        step, whose first b nodes are exactly the tree of budget b (the walk's result there is
-        the accepted path cut at the first node past b)."""
+    def observe_tau(self, cand, tokens_per_seq: float, sequences: int = 1) -> None:
+        """One step's tokens per sequence over its ``sequences`` for ``cand``: from its own step,
+        or from a bigger tree's step, whose first b nodes are exactly the tree of budget b (the
+        walk's result there is the accepted path cut at the first node past b). tau is the mean
+        per sequence over the window's steps, so a step weighs as many sequences as it ran."""
         recent = self.tau_recent.setdefault(cand, deque(maxlen=self.tau_window))
-        recent.append(tokens_per_seq)
-        self.tau[cand] = sum(recent) / len(recent)
+        sums = self.tau_sums.setdefault(cand, [0.0, 0])
+        if len(recent) == recent.maxlen:
+            n, tau = recent[0]
+            sums[0] -= n * tau
+            sums[1] -= n
+        recent.append((sequences, tokens_per_seq))
+        sums[0] += sequences * tokens_per_seq
+        sums[1] += sequences
+        self.tau[cand] = sums[0] / sums[1]
         self._taus = None
 
     def best(self, n: int, fresh: bool = False) -> tuple[str, int] | None:

@@ -305,7 +305,8 @@ class LLMEngine:
                 for method, b in self.auto.candidates:
                     if method == "ddtree" and b < launched.kind.budget:
                         self.auto.observe_tau((method, b), sum(1 + sum(j <= b for j in nodes)
-                                                               for nodes in launched.path_nodes) / len(out))
+                                                               for nodes in launched.path_nodes) / len(out),
+                                              sequences=len(out))
         self._last_read = now
         return progressed
 
