@@ -1,11 +1,13 @@
 #!/usr/bin/env bash
 # auto of this tree against auto of an older commit, side by side on one warm machine (after the
-# three staging calls of stage_and_run.md; carry .stage/gguf.r06, .stage/gguf.r07 and
-# .stage/eval_prompts.json): this tree's `ar,auto`, then the old commit's `auto` from a
-# `git archive` copy, same prompts, cells and protocol, every repeat's rounds kept.
-#   bash scripts/device/ab_auto.sh 3af9754        # CONCURRENCY=4,16,64 TEMPS=0,1 REPEATS=3
+# three staging calls of stage_and_run.md; carry .stage/gguf.r06, .stage/gguf.r07,
+# .stage/eval_prompts.json and .stage/old_overlay.tar): this tree's `ar,auto`, then the old
+# commit's `auto` (this tree's ddtree with the old versions of the files that differ), same
+# prompts, cells and protocol, every repeat's rounds kept. The machine's git copy lacks old
+# commits, so the overlay is made here first:
+#   git archive -o .stage/old_overlay.tar OLD $(git diff --name-only OLD HEAD -- ddtree)
+#   bash scripts/device/ab_auto.sh        # CONCURRENCY=4,16,64 TEMPS=0,1 REPEATS=3
 set -euo pipefail
-OLD=${1:?old commit}
 export PYTHONPATH=/tmp/site:$PWD DDTREE_CACHE_DIR=/tmp/ddcache PYTHONUNBUFFERED=1
 G=/tmp/stage/SmolLM2-135M-Instruct.Q4_1.gguf
 if [ ! -f $G ]; then cp .stage/gguf.r06 .stage/gguf.r07 /tmp/stage/ && cat /tmp/stage/gguf.r0* > $G; fi
@@ -15,7 +17,8 @@ ARGS="--target $G --prompts-json $PWD/.stage/eval_prompts.json --concurrency ${C
   --kv-cache-gb 8 --auto-trace"
 timeout ${NEW_SECONDS:-200} python3 -m ddtree.cli bench $ARGS --methods ar,auto --out $OUT/ab_new.json \
   > $OUT/ab_new.log 2>&1 || echo "new: exit $?"
-rm -rf /tmp/old && mkdir -p /tmp/old && git archive "$OLD" ddtree | tar -x -C /tmp/old
+rm -rf /tmp/old && mkdir -p /tmp/old && cp -r ddtree /tmp/old/ && tar -x -C /tmp/old -f .stage/old_overlay.tar
+tar -tf .stage/old_overlay.tar
 (cd /tmp/old && PYTHONPATH=/tmp/site:/tmp/old timeout ${OLD_SECONDS:-120} python3 -m ddtree.cli bench $ARGS \
   --methods auto --out $OUT/ab_old.json > $OUT/ab_old.log 2>&1) || echo "old: exit $?"
 python3 - <<'PY'
