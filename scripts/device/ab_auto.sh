@@ -13,7 +13,7 @@ G=/tmp/stage/SmolLM2-135M-Instruct.Q4_1.gguf
 if [ ! -f $G ]; then cp .stage/gguf.r06 .stage/gguf.r07 /tmp/stage/ && cat /tmp/stage/gguf.r0* > $G; fi
 md5sum $G
 ARGS="--target $G --prompts-json $PWD/.stage/eval_prompts.json --concurrency ${CONCURRENCY:-4,16,64}
-  --temperatures ${TEMPS:-0,1} --datasets humaneval,mtbench --repeats ${REPEATS:-3} --max-tokens 128
+  --temperatures ${TEMPS:-0,1} --datasets ${DATASETS:-humaneval,mtbench} --repeats ${REPEATS:-3} --max-tokens 128
   --kv-cache-gb 8 --auto-trace"
 timeout ${NEW_SECONDS:-200} python3 -m ddtree.cli bench $ARGS --methods ar,auto --out $OUT/ab_new.json \
   > $OUT/ab_new.log 2>&1 || echo "new: exit $?"
