@@ -54,8 +54,9 @@ candidate with the largest tau(c) / cost(n, c):
   about the same and the credit binds only for candidates far behind. With it, exploring every
   8 steps instead of 32 refreshes a close candidate 4x as often for the same bounded loss. An
   exploration that crosses between plain decoding and speculation also pays a switch: the
-  speculative round launched behind a plain one first catches up the drafter's deferred context, and its preparation outlasts the plain round's GPU time (in an H200
-  trace at concurrency 64, T=1, the plain round before 6 of 8 speculative explorations took
+  speculative round launched behind a plain one first catches up the drafter's deferred
+  context, and its preparation outlasts the plain round's GPU time (in an H200 trace at
+  concurrency 64, T=1, the plain round before 6 of 8 speculative explorations took
   1.5-1.9 ms against 1.2), so the regret adds the median excess of such plain rounds. In the
   next trace (``bench_h200_trace_c64_switch_cost.json.gz``) only 4 of 9 showed an excess
   (0.3-0.4 ms), the median stayed ~0.01 ms and explorations were as frequent as before (9 against
