@@ -179,8 +179,9 @@ def bench(llm, prompts: dict[str, list[list[int]]], methods, concurrency, temper
                         row = {"dataset": name, "temperature": t, "concurrency": c, "method": method,
                                "budget": budget, "join_wait_rounds": wait, "repeats": repeats,
                                "tokens_per_s_runs": [r["tokens_per_s"] for r in runs], **best}
-                        if "auto_trace" in best:  # every repeat's rounds: a slow repeat is the one to read
-                            row["auto_trace_runs"] = [{"wall_s": r["wall_s"], "auto_trace": r.get("auto_trace", [])}
+                        if row.pop("auto_trace", None) is not None:  # every repeat's rounds, not only the
+                            # reported one's: a slow repeat is the one to read
+                            row["auto_trace_runs"] = [{"wall_s": r["wall_s"], "auto_trace": r.pop("auto_trace", [])}
                                                       for r in runs]
                         rows.append(row)
                         if on_row:

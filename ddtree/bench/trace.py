@@ -43,13 +43,13 @@ def main(argv=None) -> int:
     with opener(args.bench_json, "rt") as f:
         results = json.load(f)["results"]
     rows = [r for r in results
-            if r["concurrency"] == args.concurrency and r.get("auto_trace")]
+            if r["concurrency"] == args.concurrency and (r.get("auto_trace") or r.get("auto_trace_runs"))]
     if not rows:
         raise SystemExit(f"{args.bench_json}: no traced rows at concurrency {args.concurrency} "
                          "(run ddtree bench with --auto-trace)")
     for r in rows:
         name = "auto" if r["budget"] == "auto" else f"{r['method']}:{r['budget']}"
-        # Every repeat where the bench kept them (the row's own trace is its reported repeat's).
+        # Every repeat (older files kept only the reported repeat's, as the row's auto_trace).
         for i, run in enumerate(r.get("auto_trace_runs") or [r]):
             tag = f" #{i + 1}" if "auto_trace_runs" in r else ""
             print(f"{r['dataset']:9s} T={r['temperature']:g} {name + tag:10s}",
