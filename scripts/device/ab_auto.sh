@@ -7,7 +7,7 @@
 # commits, so the overlay is made here first:
 #   git archive -o .stage/old_overlay.tar OLD $(git diff --name-only OLD HEAD -- ddtree)
 #   bash scripts/device/ab_auto.sh        # CONCURRENCY=4,16,64 TEMPS=0,1 REPEATS=3 DATASETS=...
-# 2026-12-04 (README "`auto`: tau per sequence, explorations every 8 steps"), old = 3af9754:
+# 2026-12-04 (docs/measurements.md, "`auto`: tau per sequence, explorations every 8 steps"), old = 3af9754:
 #   CONCURRENCY=16,64 REPEATS=4 NEW_SECONDS=170 OLD_SECONDS=110 bash scripts/device/ab_auto.sh
 #   DATASETS=mtbench TEMPS=1 CONCURRENCY=16,64 REPEATS=4 NEW_SECONDS=58 OLD_SECONDS=45 bash ...
 # On a machine's first run the start-up profile takes ~100 s (7.5 s warm): leave NEW_SECONDS room.

@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
-# Continue the shipped drafter on fresh responses (phases 3-7 of the model card): a greedy pass and
+# Continue the shipped drafter on fresh responses (phases 3-8 of the model card): a greedy pass and
 # a seeded T=1 pass over the training prompts (T1_SEED: use one the drafter has not seen;
-# phase 3 used 1, phase 4 used 2, phase 5 used 3, phase 6 used 4, phase 7 5 and 6; until 2026-12-04 the seed
-# did not reach the engine's CUDA sampler, so phases 6 and 7 got the same T=1 responses: use 7 or
-# more), --distill 0.5, a fresh AdamW from the shipped
+# phase 3 used 1, phase 4 used 2, phase 5 used 3, phase 6 used 4, phase 7 5 and 6, phase 8 7; until
+# 2026-12-04 the seed did not reach the engine's CUDA sampler, so phases 6 and 7 got the same T=1
+# responses: use 8 or more), --distill 0.5, a fresh AdamW from the shipped
 # weights, and the cosine fitted to the device time (`--minutes`: the learning rate reaches zero
 # when `finish`'s call ends). Back-to-back device calls
 # while the machine stays warm (see stage_and_run.md). Phase 5 (2026-12-03) staged in three calls
@@ -36,6 +36,12 @@
 #   GEN_MINUTES=3 T1_SEED2=6 MORE_SECONDS=500 LAST_MINUTES=3.8 bash scripts/device/train_continue.sh more   # 527 s
 #   LAST_MINUTES=3.8 bash scripts/device/train_continue.sh finish   # carry eval_prompts (371 s)
 # That used 1,504 of the session's 1,800 device seconds, with no room left for `measure`.
+# Phase 8 (2026-12-04) ran `start` and `finish` (9.2 training minutes), then `measure` and the
+# CUDA tests, after the three staging calls, all sent as one batch (1,697 device seconds in all):
+#   cp .stage/gguf.r06 /tmp/stage/ && GEN_MINUTES=2.5 T1_SEED=7 START_SECONDS=540 LAST_MINUTES=5.5 \
+#     bash scripts/device/train_continue.sh start        # carry r06, r07, eval_prompts (556 s)
+#   LAST_MINUTES=5.5 bash scripts/device/train_continue.sh finish            # carry eval_prompts (460 s)
+#   METHODS=ar,dflash,ddtree:63,auto bash scripts/device/train_continue.sh measure   # (353 s)
 # The run's checkpoint lives in the machine's /tmp (its optimizer state is too big for $OUT), so
 # `start` also brings its weights back (partial_model.safetensors.p*, partial_small.tar): if the
 # machine goes back between calls (it did on 2026-12-03, after the first try at phase 5's first call), restage,
