@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
-# Continue the shipped drafter on fresh responses (phases 3-8 of the model card): a greedy pass and
+# Continue the shipped drafter on fresh responses (phases 3-9 of the model card): a greedy pass and
 # a seeded T=1 pass over the training prompts (T1_SEED: use one the drafter has not seen;
-# phase 3 used 1, phase 4 used 2, phase 5 used 3, phase 6 used 4, phase 7 5 and 6, phase 8 7; until
+# phase 3 used 1, phase 4 used 2, phase 5 used 3, phase 6 used 4, phase 7 5 and 6, phase 8 7, phase 9 8; until
 # 2026-12-04 the seed did not reach the engine's CUDA sampler, so phases 6 and 7 got the same T=1
-# responses: use 8 or more), --distill 0.5, a fresh AdamW from the shipped
+# responses: use 9 or more), --distill 0.5, a fresh AdamW from the shipped
 # weights, and the cosine fitted to the device time (`--minutes`: the learning rate reaches zero
 # when `finish`'s call ends). Back-to-back device calls
 # while the machine stays warm (see stage_and_run.md). Phase 5 (2026-12-03) staged in three calls
@@ -42,6 +42,11 @@
 #     bash scripts/device/train_continue.sh start        # carry r06, r07, eval_prompts (556 s)
 #   LAST_MINUTES=5.5 bash scripts/device/train_continue.sh finish            # carry eval_prompts (460 s)
 #   METHODS=ar,dflash,ddtree:63,auto bash scripts/device/train_continue.sh measure   # (353 s)
+# Phase 9 (2026-12-04, sixth session) the same with T1_SEED=8: staging, start, finish, measure and
+# the CUDA tests as one batch of seven calls, 1,713 device seconds. `finish` exports model.safetensors
+# (split for $OUT) and drafter_small.tar (config.json, mask_embedding.pt, train_log.jsonl): ship BOTH
+# weight files (`bash scripts/device/ship_drafter.sh <files_at of finish> <phase>` does it here); phase
+# 8 shipped only model.safetensors and kept phase 7's learned mask embedding.
 # The run's checkpoint lives in the machine's /tmp (its optimizer state is too big for $OUT), so
 # `start` also brings its weights back (partial_model.safetensors.p*, partial_small.tar): if the
 # machine goes back between calls (it did on 2026-12-03, after the first try at phase 5's first call), restage,
