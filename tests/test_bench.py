@@ -3,8 +3,11 @@ import json
 
 import pytest
 
-from ddtree.bench.speed import main, parse_methods, request_lengths
+from ddtree import SamplingParams
+from ddtree.bench.speed import main, parse_methods, request_lengths, run_closed_loop
 from ddtree.engine.auto_budget import auto_candidates
+
+from conftest import make_llm
 
 
 def test_parse_methods():
@@ -99,3 +102,19 @@ def test_bench_rejects_a_bad_min_requests(capsys):
     with pytest.raises(SystemExit):
         main(["--min-requests", "0"])
     assert "--min-requests must be at least 1, got 0" in capsys.readouterr().err
+
+
+def test_stop_at_eos_ends_requests_at_eos_and_the_default_ignores_it(smol, tokenizer, prompts):
+    """The grid ignores EOS (every request makes its length) unless --stop-at-eos; with it a request
+    ends at the target's EOS, and every method still makes the same tokens at T=0."""
+    llm = make_llm(smol, tokenizer, method="ddtree", budget=8)
+    engine = llm.engine
+    free = run_closed_loop(llm, prompts[:2], "ar", 0, 0.0, [12, 12], 2)
+    assert free["tokens"] == 24
+    first = llm.generate([prompts[0]], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))[0].token_ids
+    engine.eos_token_ids = {first[4]}  # the fifth greedy token of prompt 0 stands in for EOS
+    ignored = run_closed_loop(llm, prompts[:1], "ar", 0, 0.0, [12], 1)
+    assert ignored["tokens"] == 12
+    for method, budget in [("ar", 0), ("dflash", 0), ("ddtree", 8)]:
+        stopped = run_closed_loop(llm, prompts[:1], method, budget, 0.0, [12], 1, stop_at_eos=True)
+        assert stopped["tokens"] == first.index(first[4]) + 1, method  # EOS included, nothing after it

@@ -8,7 +8,8 @@ serves every method through per-request overrides, so all methods share weights 
 
 Output lengths: by default request i asks for a length drawn uniformly from [max_tokens / 2,
 3 * max_tokens / 2] (seeded by i, the same for every method; EOS ignored so the token count is
-fixed) and a run at concurrency c serves max(32, 4c) requests (prompts reused in order when a dataset has
+fixed, or with ``--stop-at-eos`` a request also ends at EOS, as in the DDTree and DFlash papers'
+tau: after EOS the target writes text the drafter was never trained on) and a run at concurrency c serves max(32, 4c) requests (prompts reused in order when a dataset has
 fewer). With one length for every request (``--fixed-lengths``, the protocol before), plain
 decoding runs in lockstep: a whole batch finishes in the same step and the next one joins in one
 batched prefill, while speculative methods finish requests at different steps, so requests join
@@ -63,8 +64,10 @@ def request_lengths(max_tokens: int, count: int, fixed: bool) -> list[int]:
     return [random.Random(i).randint(lo, hi) for i in range(count)]
 
 
-def run_closed_loop(llm, prompt_ids, method, budget, temperature, max_tokens, concurrency) -> dict:
-    """max_tokens: one length for every request, or a list (request i gets max_tokens[i])."""
+def run_closed_loop(llm, prompt_ids, method, budget, temperature, max_tokens, concurrency,
+                    stop_at_eos: bool = False) -> dict:
+    """max_tokens: one length for every request, or a list (request i gets max_tokens[i]), its
+    exact length unless stop_at_eos (then a request also ends at the target's EOS)."""
     budget = "auto" if is_auto(budget) else budget
     engine = llm.engine
     runner = engine.runner
@@ -83,8 +86,8 @@ def run_closed_loop(llm, prompt_ids, method, budget, temperature, max_tokens, co
     while pending or in_flight:
         while pending and len(in_flight) < concurrency:
             ids, length = pending.pop(0)
-            seq = engine.add_request(ids, SamplingParams(temperature=temperature, max_tokens=length, ignore_eos=True),
-                                     method=method, budget=budget)
+            params = SamplingParams(temperature=temperature, max_tokens=length, ignore_eos=not stop_at_eos)
+            seq = engine.add_request(ids, params, method=method, budget=budget)
             started[seq.seq_id] = time.perf_counter()
             in_flight.append(seq)
         engine.step()
@@ -122,7 +125,7 @@ def run_closed_loop(llm, prompt_ids, method, budget, temperature, max_tokens, co
             "split_s": split, "auto_choices": {f"{m}:{b}": k for (m, b), k in engine.step_choices.items()}}
 
 
-def warm_up(llm, batch, method, budget, temperature, c, lengths) -> None:
+def warm_up(llm, batch, method, budget, temperature, c, lengths, stop_at_eos: bool = False) -> None:
     """Kernels and a CUDA-graph capture for every batch bucket up to c (a run drains through the
     smaller ones: a capture inside a timed run costs more than the run). ``auto`` has every graph
     from its start-up profile; it warms up on one run of the cell's own requests (``batch``,
@@ -133,18 +136,18 @@ def warm_up(llm, batch, method, budget, temperature, c, lengths) -> None:
     each cell instead left the rarely run trees with tau from their first tries only (also at
     the start of responses): auto fell to 0.95x plain decoding at concurrency 64 on HumanEval."""
     if is_auto(budget) and (llm.engine.auto.prior or not llm.engine.runner.use_graphs):
-        run_closed_loop(llm, batch, method, budget, temperature, lengths, c)
+        run_closed_loop(llm, batch, method, budget, temperature, lengths, c, stop_at_eos)
         return
     graphs = llm.engine.runner.use_graphs
     for b in [b for b in GRAPH_BUCKETS if b < c and graphs] + [c]:
         run_closed_loop(llm, batch[:b], method, budget, temperature, 4 if b < c else 16, b)
     if is_auto(budget):
-        run_closed_loop(llm, batch, method, budget, temperature, lengths, c)
+        run_closed_loop(llm, batch, method, budget, temperature, lengths, c, stop_at_eos)
 
 
 def bench(llm, prompts: dict[str, list[list[int]]], methods, concurrency, temperatures, max_tokens,
           repeats: int, per_run=lambda c: max(8, 4 * c), on_row=None, fixed_lengths: bool = False,
-          join_waits: list[int] | None = None) -> list[dict]:
+          join_waits: list[int] | None = None, stop_at_eos: bool = False) -> list[dict]:
     """per_run(c): requests in one closed-loop run at concurrency c (prompts reused in order when
     there are fewer); on_row(rows) after each row (the CLI saves partial results, so a cut-off run
     still leaves data). join_waits: values of the scheduler's ``join_wait_rounds`` to run every
@@ -164,8 +167,9 @@ def bench(llm, prompts: dict[str, list[list[int]]], methods, concurrency, temper
                         count = max(per_run(c), c)
                         batch = [ids[i % len(ids)] for i in range(count)]
                         lengths = request_lengths(max_tokens, count, fixed_lengths)
-                        warm_up(llm, batch, method, budget, t, c, lengths)  # then repeats; median reported
-                        runs = [run_closed_loop(llm, batch, method, budget, t, lengths, c) for _ in range(repeats)]
+                        warm_up(llm, batch, method, budget, t, c, lengths, stop_at_eos)  # then repeats; median reported
+                        runs = [run_closed_loop(llm, batch, method, budget, t, lengths, c, stop_at_eos)
+                                for _ in range(repeats)]
                         best = sorted(runs, key=lambda r: r["tokens_per_s"])[len(runs) // 2]
                         # One more run with per-stage graphs and events (fixed methods: auto's steps are
                         # the fixed methods' steps, and its per-stage graphs would be captured mid-run).
@@ -173,7 +177,7 @@ def bench(llm, prompts: dict[str, list[list[int]]], methods, concurrency, temper
                             llm.engine.runner.profile_stages = True
                             for b in [b for b in GRAPH_BUCKETS if b < c] + [c]:  # captures
                                 run_closed_loop(llm, ids[:b], method, budget, t, 4, b)
-                            prof = run_closed_loop(llm, batch, method, budget, t, lengths, c)
+                            prof = run_closed_loop(llm, batch, method, budget, t, lengths, c, stop_at_eos)
                             best["split_s"], best["split_steps"] = prof["split_s"], prof["engine_decode_steps"]
                             llm.engine.runner.profile_stages = False
                         row = {"dataset": name, "temperature": t, "concurrency": c, "method": method,
@@ -254,6 +258,9 @@ def main(argv=None) -> int:
     p.add_argument("--max-tokens", type=int, default=128,
                    help="mean output length (lengths uniform in [max/2, 3max/2]; see --fixed-lengths)")
     p.add_argument("--fixed-lengths", action="store_true", help="every request asks for exactly --max-tokens")
+    p.add_argument("--stop-at-eos", action="store_true",
+                   help="a request also ends at the target's EOS (default: EOS ignored, every request makes its "
+                        "length); at T=0 every method still makes the same tokens")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--prompts-json", default=None, help="exported eval prompts (ddtree eval-drafter --export-prompts)")
     p.add_argument("--auto-margin", type=float, default=None,
@@ -310,7 +317,7 @@ def main(argv=None) -> int:
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     meta = {"device": str(llm.device), "dtype": str(llm.dtype), "target": str(llm.target_dir),
-            "max_tokens": args.max_tokens, "fixed_lengths": args.fixed_lengths,
+            "max_tokens": args.max_tokens, "fixed_lengths": args.fixed_lengths, "stop_at_eos": args.stop_at_eos,
             "requests_per_run": {c: per_run(c) for c in concurrency}, "quick": args.quick,
             "cuda_graphs": llm.engine.runner.use_graphs, "auto_ar_margin": llm.engine.auto.ar_margin,
             "auto_cost_prior_s": {f"{b}:{m}:{k}": v for (b, (m, k)), v in prior.items()}}
@@ -319,7 +326,8 @@ def main(argv=None) -> int:
         meta["gpu"] = torch.cuda.get_device_name()
     save = lambda rows: out.write_text(json.dumps({"meta": meta, "results": rows}, indent=1))  # noqa: E731
     rows = bench(llm, prompts, methods, concurrency, temps, args.max_tokens, args.repeats,
-                 per_run=per_run, on_row=save, fixed_lengths=args.fixed_lengths, join_waits=join_waits)
+                 per_run=per_run, on_row=save, fixed_lengths=args.fixed_lengths, join_waits=join_waits,
+                 stop_at_eos=args.stop_at_eos)
     save(rows)
     plot(rows, args.png or out.with_suffix(".png"))
     print(f"wrote {out}")

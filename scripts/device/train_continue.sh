@@ -42,6 +42,8 @@
 #     bash scripts/device/train_continue.sh start        # carry r06, r07, eval_prompts (556 s)
 #   LAST_MINUTES=5.5 bash scripts/device/train_continue.sh finish            # carry eval_prompts (460 s)
 #   METHODS=ar,dflash,ddtree:63,auto bash scripts/device/train_continue.sh measure   # (353 s)
+# `measure` takes CONCURRENCY (default 1,4,16,64) and BENCH_ARGS (more `ddtree bench` flags, e.g.
+# BENCH_ARGS=--stop-at-eos: requests end at EOS, see bench/README).
 # Phase 9 (2026-12-04, sixth session) the same with T1_SEED=8: staging, start, finish, measure and
 # the CUDA tests as one batch of seven calls, 1,713 device seconds. `finish` exports model.safetensors
 # (split for $OUT) and drafter_small.tar (config.json, mask_embedding.pt, train_log.jsonl): ship BOTH
@@ -150,8 +152,8 @@ EOF
 )
   echo "grid drafter: ${DRAFTER:-shipped}"
   python3 -m ddtree.cli bench --target $G ${DRAFTER:+--drafter $DRAFTER} --prompts-json .stage/eval_prompts.json \
-    --methods ${METHODS:-ar,dflash,ddtree:32,auto} --concurrency 1,4,16,64 --temperatures 0,1 \
-    --datasets humaneval,mtbench --repeats ${REPEATS:-2} --max-tokens 128 --kv-cache-gb 8 \
+    --methods ${METHODS:-ar,dflash,ddtree:32,auto} --concurrency ${CONCURRENCY:-1,4,16,64} --temperatures 0,1 \
+    --datasets humaneval,mtbench --repeats ${REPEATS:-2} --max-tokens 128 --kv-cache-gb 8 ${BENCH_ARGS:-} \
     --out $OUT/bench_h200.json > $OUT/bench.log 2>&1
   tail -40 $OUT/bench.log
   ;;
