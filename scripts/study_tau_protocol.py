@@ -18,6 +18,8 @@ p.add_argument("--budget", type=int, default=63)
 p.add_argument("--device", default="cpu")
 p.add_argument("--out", required=True)
 args = p.parse_args()
+if args.prompts < 1 or args.budget < 1:
+    p.error(f"--prompts and --budget must be at least 1, got {args.prompts} and {args.budget}")
 
 llm = LLM(method="ddtree", budget=args.budget, max_budget=args.budget, device=args.device, max_num_seqs=4)
 engine = llm.engine
