@@ -116,3 +116,31 @@ def test_stop_at_eos_ends_requests_at_eos_and_the_default_ignores_it(smol, token
     for method, budget in [("ar", 0), ("dflash", 0), ("ddtree", 8)]:
         stopped = run_closed_loop(llm, prompts[:1], method, budget, 0.0, [12], 1, stop_at_eos=True)
         assert stopped["tokens"] == first.index(first[4]) + 1, method  # EOS included, nothing after it
+
+
+def test_bench_goals_reads_the_goal_ratios_from_a_grid(tmp_path):
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    def row(method, budget, tps, c, tau=1.0, work=0.0):
+        return {"dataset": "humaneval", "temperature": 0.0, "concurrency": c, "method": method, "budget": budget,
+                "tokens_per_s": tps, "tau": tau, "split_s": {"build": work, "accept": 0.0, "commit": 0.0, "verify": 1.0 - work}}
+    rows = [row("ar", 0, 1000.0, 1), row("dflash", 0, 2000.0, 1), row("ddtree", 63, 3100.0, 1, 4.0, 0.05),
+            row("ddtree", "auto", 1900.0, 1),  # auto below the chain: 0.950
+            row("ar", 0, 900.0, 4), row("dflash", 0, 1000.0, 4), row("ddtree", 63, 1200.0, 4, 3.0, 0.2),
+            row("ddtree", "auto", 1100.0, 4)]
+    grid = tmp_path / "grid.json"
+    grid.write_text(json.dumps({"meta": {}, "results": rows}))
+    script = Path(__file__).parents[1] / "scripts" / "bench_goals.py"
+    out = subprocess.run([sys.executable, script, grid], capture_output=True, text=True, check=True).stdout
+    assert "AR single stream >= 1,000 tok/s: 1,000-1,000 (1/1 cells)" in out
+    assert "B=63 >= 1.3x chain at c=1: 1.55-1.55x (1/1 cells)" in out
+    assert "B=63 >= 3.0x AR at c=1: 3.10-3.10x (1/1 cells)" in out
+    assert "auto >= 1.0x best(AR, chain): 0.950-1.100x (1/2 cells)" in out
+    assert "10 % of the B=63 round: 5.0-20.0 % (1/2 rows)" in out
+    assert "| HumanEval T=0 c=4 | 900 | 1,000 | 1,200 | 1,100 | 1.100 | 1.20 | 1.33 | 3.00 |" in out
+    rows.append(row("ddtree", 31, 1.0, 16))
+    grid.write_text(json.dumps({"meta": {}, "results": rows}))
+    failed = subprocess.run([sys.executable, script, grid], capture_output=True, text=True)
+    assert failed.returncode != 0 and "expected one DDTree budget per grid" in failed.stderr

@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # Continue the shipped drafter on fresh responses (phases 3-9 of the model card): a greedy pass and
 # a seeded T=1 pass over the training prompts (T1_SEED: use one the drafter has not seen;
-# phase 3 used 1, phase 4 used 2, phase 5 used 3, phase 6 used 4, phase 7 5 and 6, phase 8 7, phase 9 8; until
+# phase 3 used 1, phase 4 used 2, phase 5 used 3, phase 6 used 4, phase 7 5 and 6, phase 8 7, phase 9 8, phase 10 9; until
 # 2026-12-04 the seed did not reach the engine's CUDA sampler, so phases 6 and 7 got the same T=1
-# responses: use 9 or more), --distill 0.5, a fresh AdamW from the shipped
+# responses: use 10 or more), --distill 0.5, a fresh AdamW from the shipped
 # weights, and the cosine fitted to the device time (`--minutes`: the learning rate reaches zero
 # when `finish`'s call ends). Back-to-back device calls
 # while the machine stays warm (see stage_and_run.md). Phase 5 (2026-12-03) staged in three calls
@@ -49,6 +49,10 @@
 # (split for $OUT) and drafter_small.tar (config.json, mask_embedding.pt, train_log.jsonl): ship BOTH
 # weight files (`bash scripts/device/ship_drafter.sh <files_at of finish> <phase>` does it here); phase
 # 8 shipped only model.safetensors and kept phase 7's learned mask embedding.
+# Phase 10 (2026-12-04, seventh session) the same with T1_SEED=9, then `measure` twice (the grid, and
+# CONCURRENCY=1 BENCH_ARGS=--stop-at-eos) instead of the CUDA tests: 1,559 device seconds. Its passes
+# ran slower (49-52 k tok/s) and GEN_MINUTES=2.5 stopped both at 34,816 of the 38,153 prompts, leaving
+# 8.0 training minutes; GEN_MINUTES=2.8 would cover them at that rate (and train ~0.6 minutes less).
 # The run's checkpoint lives in the machine's /tmp (its optimizer state is too big for $OUT), so
 # `start` also brings its weights back (partial_model.safetensors.p*, partial_small.tar): if the
 # machine goes back between calls (it did on 2026-12-03, after the first try at phase 5's first call), restage,
