@@ -19,6 +19,11 @@ def cells(path: str) -> dict:
     for r in json.loads(Path(path).read_text())["results"]:
         name = "auto" if r["method"] == "auto" or r["budget"] == "auto" else r["method"]
         out.setdefault((r["dataset"], r["temperature"], r["concurrency"]), {})[name] = r
+    for key, cell in out.items():
+        missing = {"ar", "dflash", "ddtree", "auto"} - set(cell)
+        if missing:
+            raise SystemExit(f"{path}: cell {key} has no {', '.join(sorted(missing))} row "
+                             "(the goals need AR, chain, one DDTree budget and auto in every cell)")
     return out
 
 
@@ -57,9 +62,9 @@ def main() -> None:
     if previous:
         head.append("previous grid: B÷AR, auto ÷ best")
     print("\n| " + " | ".join(head) + " |\n|" + "---|" * len(head))
-    for key in sorted(grid, key=lambda k: (list(DATASETS).index(k[0]), k[1], k[2])):
+    for key in sorted(grid, key=lambda k: (k[0] not in DATASETS, k[0], k[1], k[2])):
         cell, r = grid[key], rs[key]
-        row = [f"{DATASETS[key[0]]} T={key[1]:g} c={key[2]}"]
+        row = [f"{DATASETS.get(key[0], key[0])} T={key[1]:g} c={key[2]}"]
         row += [f"{cell[m]['tokens_per_s']:,.0f}" for m in ("ar", "dflash", "ddtree", "auto")]
         row += [f"{r['auto_vs_best']:.3f}", f"{r['tree_vs_chain']:.2f}", f"{r['tree_vs_ar']:.2f}", f"{cell['ddtree']['tau']:.2f}"]
         if previous:

@@ -140,7 +140,8 @@ def test_bench_goals_reads_the_goal_ratios_from_a_grid(tmp_path):
     assert "auto >= 1.0x best(AR, chain): 0.950-1.100x (1/2 cells)" in out
     assert "10 % of the B=63 round: 5.0-20.0 % (1/2 rows)" in out
     assert "| HumanEval T=0 c=4 | 900 | 1,000 | 1,200 | 1,100 | 1.100 | 1.20 | 1.33 | 3.00 |" in out
-    rows.append(row("ddtree", 31, 1.0, 16))
-    grid.write_text(json.dumps({"meta": {}, "results": rows}))
-    failed = subprocess.run([sys.executable, script, grid], capture_output=True, text=True)
-    assert failed.returncode != 0 and "expected one DDTree budget per grid" in failed.stderr
+    for extra, error in [(row("ddtree", 31, 1.0, 4), "expected one DDTree budget per grid"),
+                         (row("ar", 0, 1.0, 16), "cell ('humaneval', 0.0, 16) has no auto, ddtree, dflash row")]:
+        grid.write_text(json.dumps({"meta": {}, "results": rows + [extra]}))
+        failed = subprocess.run([sys.executable, script, grid], capture_output=True, text=True)
+        assert failed.returncode != 0 and error in failed.stderr, failed.stderr

@@ -10,8 +10,8 @@ Output lengths: by default request i asks for a length drawn uniformly from [max
 3 * max_tokens / 2] (seeded by i, the same for every method; EOS ignored so the token count is
 fixed; with ``--stop-at-eos`` a request also ends at EOS, as in `ddtree eval-drafter`: after EOS
 the target writes text the drafter never trained on, and tau drops) and a run at concurrency c
-serves max(32, 4c) requests (prompts reused in order when a dataset has fewer). With one length for every request (``--fixed-lengths``, the protocol before), plain
-decoding runs in lockstep: a whole batch finishes in the same step and the next one joins in one
+serves max(32, 4c) requests (prompts reused in order when a dataset has fewer). With one length
+for every request (``--fixed-lengths``, the protocol before), plain decoding runs in lockstep: a whole batch finishes in the same step and the next one joins in one
 batched prefill, while speculative methods finish requests at different steps, so requests join
 one by one and the run ends in a tail of small batches. Real traffic has mixed lengths; the
 fixed protocol charged that artifact to speculation (in the H200 trace of 2026-11-30, auto's

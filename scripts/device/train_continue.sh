@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Continue the shipped drafter on fresh responses (phases 3-9 of the model card): a greedy pass and
+# Continue the shipped drafter on fresh responses (phases 3-10 of the model card): a greedy pass and
 # a seeded T=1 pass over the training prompts (T1_SEED: use one the drafter has not seen;
 # phase 3 used 1, phase 4 used 2, phase 5 used 3, phase 6 used 4, phase 7 5 and 6, phase 8 7, phase 9 8, phase 10 9; until
 # 2026-12-04 the seed did not reach the engine's CUDA sampler, so phases 6 and 7 got the same T=1
