@@ -32,9 +32,9 @@ def main():
     rows = []
     for name, chunk in (("first prompts", convs[:args.chunk]), ("last prompts", convs[-args.chunk:])):
         t0 = time.perf_counter()
-        one = [prompt_within(llm, c, args.limit) for c in chunk]
+        one = [prompt_within(llm.apply_chat_templates, c, args.limit) for c in chunk]
         t1 = time.perf_counter()
-        batched = prompts_within(llm, chunk, args.limit)
+        batched = prompts_within(llm.apply_chat_templates, chunk, args.limit)
         t2 = time.perf_counter()
         if one != batched:
             raise SystemExit(f"{name}: batched ids differ from one-at-a-time ids")

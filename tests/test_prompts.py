@@ -110,7 +110,7 @@ def test_builder_removes_injected_eval_prompts(tmp_path):
         assert bad.strip() not in texts
     assert set(keep.values()) <= set(texts)  # clean injected prompts are kept
     assert duplicate.strip() not in texts and src["sharegpt"]["duplicate"] >= 1
-    assert [src[s]["written"] for s in P.SOURCES] == [6, 3, 3, 0] and len(rows) == 12
+    assert [src[s]["written"] for s in P.SOURCES] == [6, 3, 3, 0, 0] and len(rows) == 12
 
 
 @pytest.fixture(scope="module")
@@ -237,3 +237,86 @@ def test_small_build_with_later_turns(tmp_path):
     P.build_prompts(tmp_path / "first.jsonl", n_sharegpt=5, n_gsm8k=0, n_code=0, seed=0)
     first = {r["messages"][0]["content"] for r in _read_jsonl(tmp_path / "first.jsonl")}
     assert first == {r["messages"][0]["content"] for r in rows if r["source"] == "sharegpt"}
+
+
+def _wheel(directory, dist, version, licence_lines, files):
+    """A minimal wheel: METADATA with the given licence headers, and the given Python files."""
+    import zipfile
+    stem = dist.replace("-", "_")
+    path = directory / f"{stem}-{version}-py3-none-any.whl"
+    with zipfile.ZipFile(path, "w") as z:
+        z.writestr(f"{stem}-{version}.dist-info/METADATA",
+                   "\n".join(["Metadata-Version: 2.1", f"Name: {dist}", f"Version: {version}", *licence_lines,
+                              "", "Long description. License: GPL is only mentioned here."]) + "\n")
+        for name, text in files.items():
+            z.writestr(name, text)
+    return path
+
+
+_DOCUMENTED = '''
+def merge_runs(left, right):
+    """Merge two sorted runs of numbers into one sorted list."""
+
+def _private_helper(x):
+    """Not public, so never a prompt."""
+
+def undocumented(x):
+    pass
+
+class Interval:
+    def overlaps(self, other) -> bool:
+        """Tell whether this interval shares a point with another one."""
+'''
+
+
+def test_code_packages_read_documented_functions_and_problems_from_wheels(tmp_path, monkeypatch):
+    monkeypatch.setattr(P, "CODE_PACKAGES", (("tidy-utils", "1.0", None), ("puzzles", "2.0", 1)))
+    monkeypatch.setattr(P, "PROBLEM_PACKAGES", frozenset({"puzzles"}))
+    he = humaneval_prompts()[0]["entry_point"]
+    _wheel(tmp_path, "tidy-utils", "1.0", ["License-Expression: MIT"], {
+        "tidy_utils/__init__.py": _DOCUMENTED,
+        "tidy_utils/_impl.py": 'def hidden_gem(x):\n    """A public name inside a private module."""\n',
+        "tidy_utils/tests/test_core.py": 'def check_all(x):\n    """A test helper that reads like a task."""\n',
+        "tidy_utils/clash.py": f'def {he}(x):\n    """Same name as a HumanEval entry point here."""\n',
+    })
+    problem = ('"""Josephus Problem\n\nPeople sit in a circle; every k-th person is eliminated until\n'
+               'nobody is left. Yield the elimination order.\n\nReference: a book\n"""\n')
+    _wheel(tmp_path, "puzzles", "2.0", ["Classifier: License :: OSI Approved :: BSD License"], {
+        "puzzles/josephus.py": problem, "puzzles/other.py": problem.replace("Josephus", "Circle"),
+    })
+    out = tmp_path / "p.jsonl"
+    stats = P.build_prompts(out, n_sharegpt=0, n_gsm8k=0, n_code=0, n_code_packages=100, code_wheels=tmp_path)
+    texts = [r["messages"][-1]["content"] for r in _read_jsonl(out)]
+    src = stats["sources"]["code_packages"]
+    assert src["packages"]["tidy-utils"] == {"wheel": "tidy_utils-1.0-py3-none-any.whl", "license": "MIT",
+                                             "items": 3, "taken": 3}
+    assert src["packages"]["puzzles"]["items"] == 2 and src["packages"]["puzzles"]["taken"] == 1  # capped
+    assert src["entry_point"] == 1 and src["written"] == 3 and src["exhausted"]
+    joined = "\n".join(texts)
+    assert "merge_runs(left, right)" in joined and "overlaps(self, other) -> bool" in joined
+    assert "Interval" in joined and "elimination order" in joined and "Reference" not in joined
+    assert not any(w in joined for w in ("_private_helper", "undocumented", "hidden_gem", "check_all", he + "("))
+    again = tmp_path / "again.jsonl"
+    P.build_prompts(again, n_sharegpt=0, n_gsm8k=0, n_code=0, n_code_packages=100, code_wheels=tmp_path)
+    assert again.read_text() == out.read_text()  # seeded
+
+
+def test_code_packages_refuse_unlicensed_or_missing_wheels(tmp_path, monkeypatch):
+    monkeypatch.setattr(P, "CODE_PACKAGES", (("copyleft", "1.0", None),))
+    _wheel(tmp_path, "copyleft", "1.0", ["License: GPL-3.0-or-later"], {"copyleft/a.py": _DOCUMENTED})
+    with pytest.raises(ValueError, match=r"copyleft-1\.0.*GPL-3\.0-or-later.*not one of MIT"):
+        P.build_prompts(tmp_path / "o.jsonl", n_sharegpt=0, n_gsm8k=0, n_code=0, n_code_packages=5,
+                        code_wheels=tmp_path)
+    (tmp_path / "copyleft-1.0-py3-none-any.whl").unlink()
+    _wheel(tmp_path, "copyleft", "1.0", [], {"copyleft/a.py": _DOCUMENTED})
+    with pytest.raises(ValueError, match="not declared"):
+        P.build_prompts(tmp_path / "o.jsonl", n_sharegpt=0, n_gsm8k=0, n_code=0, n_code_packages=5,
+                        code_wheels=tmp_path)
+    with pytest.raises(FileNotFoundError, match=r"no wheel of copyleft==1\.0"):
+        P.ensure_code_wheels(tmp_path / "empty", download=False)
+
+    class Failed:
+        returncode, stderr = 1, "ERROR: No matching distribution found for copyleft==1.0"
+    monkeypatch.setattr(P.subprocess, "run", lambda *a, **k: Failed())
+    with pytest.raises(FileNotFoundError, match=r"could not fetch the wheel of copyleft==1\.0.*No matching"):
+        P.ensure_code_wheels(tmp_path / "empty")

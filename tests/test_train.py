@@ -171,26 +171,74 @@ def test_generation_passes_are_seeded(tmp_path, smol_dir, device, monkeypatch):
 def test_long_conversations_lose_their_oldest_pairs_first():
     from ddtree.train.generate import prompt_within, prompts_within
 
-    class OneTokenPerChar:  # stands in for LLM.apply_chat_template(s)
-        def apply_chat_template(self, messages):
-            return [ord(c) for m in messages for c in "|" + m["content"]]
+    def one_token_per_char(conversations):  # stands in for LLM.apply_chat_templates
+        return [[ord(c) for m in messages for c in "|" + m["content"]] for messages in conversations]
 
-        def apply_chat_templates(self, conversations):
-            return [self.apply_chat_template(c) for c in conversations]
+    def ids(messages):
+        return one_token_per_char([messages])[0]
 
     conv = [{"role": "user", "content": "a" * 10}, {"role": "assistant", "content": "b" * 10},
             {"role": "user", "content": "c" * 10}, {"role": "assistant", "content": "d" * 10},
             {"role": "user", "content": "last turn"}]
-    tok = OneTokenPerChar()
-    assert prompt_within(tok, conv, 100) == tok.apply_chat_template(conv)
-    assert prompt_within(tok, conv, 35) == tok.apply_chat_template(conv[2:])  # 54 tokens, then 32, then 10
-    assert prompt_within(tok, conv, 12) == tok.apply_chat_template(conv[4:])
-    assert prompt_within(tok, conv, 5) == tok.apply_chat_template(conv[4:])[:5]  # a single turn is cut at its end
+    assert prompt_within(one_token_per_char, conv, 100) == ids(conv)
+    assert prompt_within(one_token_per_char, conv, 35) == ids(conv[2:])  # 54 tokens, then 32, then 10
+    assert prompt_within(one_token_per_char, conv, 12) == ids(conv[4:])
+    assert prompt_within(one_token_per_char, conv, 5) == ids(conv[4:])[:5]  # a single turn is cut at its end
     # a chunk: only the conversation over the limit loses pairs, the others stay as templated
     short = [{"role": "user", "content": "hi"}]
-    assert prompts_within(tok, [short, conv, short], 35) == [tok.apply_chat_template(short),
-                                                             tok.apply_chat_template(conv[2:]),
-                                                             tok.apply_chat_template(short)]
+    assert prompts_within(one_token_per_char, [short, conv, short], 35) == [ids(short), ids(conv[2:]), ids(short)]
+
+
+def test_packed_responses_unpack_to_the_same_pass(tmp_path, smol_dir, monkeypatch):
+    """A pass packed without its prompts (to bring it back from a device call and train on it
+    again later) unpacks to the same .pt, its prompts templated again; another prompts file,
+    another order or a prompt cut elsewhere is refused, not silently paired with wrong answers."""
+    from ddtree.train import generate
+    prompts = tmp_path / "prompts.jsonl"
+    convs = [[{"role": "user", "content": "Name a colour."}],
+             [{"role": "user", "content": "x " * 1200}, {"role": "assistant", "content": "ok"},
+              {"role": "user", "content": "Count to three."}],  # over the limit: loses its first pair
+             [{"role": "user", "content": "Write a haiku about tea."}]]
+    prompts.write_text("\n".join(json.dumps({"messages": c}) for c in convs))
+    # a pass over the first 2 of the 3 prompts (a pass cut by its time limit covers the file's first ones)
+    stats = generate.generate_responses(prompts, tmp_path / "pass.pt", target=smol_dir, max_new_tokens=6,
+                                        temperatures=(1.0,), seed=3, device="cpu", kv_cache_gb=0.05,
+                                        max_num_seqs=2, max_prompts=2)
+    assert stats["sequences"] == 2
+    original = torch.load(tmp_path / "pass.pt")
+    assert original["prompt_limit"] == 1024 - 6 - 1 and original["prompt_lens"][1] < 100
+    packed = generate.pack_responses(tmp_path / "pass.pt", tmp_path / "pass.rsp")
+    assert packed["sequences"] == 2 and packed["response_tokens"] == stats["generated_tokens"]
+    generate.unpack_responses(tmp_path / "pass.rsp", prompts, tmp_path / "again.pt", target=smol_dir)
+    again = torch.load(tmp_path / "again.pt")
+    assert torch.equal(again["tokens"], original["tokens"])
+    assert [again[k] for k in ("offsets", "prompt_lens", "done")] == [original[k] for k in ("offsets", "prompt_lens", "done")]
+    # the unpacked pass resumes like any other: finished for its 2 prompts (no target loaded),
+    # then the third prompt appended; another prompt limit would not fit it
+    real_llm = generate.LLM
+    monkeypatch.setattr(generate, "LLM", lambda *a, **k: pytest.fail("a finished pass loaded the target"))
+    assert generate.generate_responses(prompts, tmp_path / "again.pt", target=smol_dir, max_new_tokens=6,
+                                       max_prompts=2)["sequences"] == 2
+    with pytest.raises(ValueError, match="cut at 1017 tokens; --max-new-tokens 8 would cut them at 1015"):
+        generate.generate_responses(prompts, tmp_path / "again.pt", target=smol_dir, max_new_tokens=8)
+    monkeypatch.setattr(generate, "LLM", real_llm)
+    more = generate.generate_responses(prompts, tmp_path / "again.pt", target=smol_dir, max_new_tokens=6,
+                                       temperatures=(1.0,), seed=3, device="cpu", kv_cache_gb=0.05, max_num_seqs=2)
+    assert more["sequences"] == 3
+    assert torch.equal(torch.load(tmp_path / "again.pt")["tokens"][:len(original["tokens"])], original["tokens"])
+    reordered = tmp_path / "reordered.jsonl"
+    reordered.write_text("\n".join(json.dumps({"messages": c}) for c in [convs[0], convs[2], convs[1]]))
+    with pytest.raises(ValueError, match="are not those the responses answered"):
+        generate.unpack_responses(tmp_path / "pass.rsp", reordered, tmp_path / "bad.pt", target=smol_dir)
+    with pytest.raises(ValueError, match="has 1 prompts"):
+        one = tmp_path / "one.jsonl"
+        one.write_text(json.dumps({"messages": convs[0]}))
+        generate.unpack_responses(tmp_path / "pass.rsp", one, tmp_path / "bad.pt", target=smol_dir)
+    with pytest.raises(ValueError, match="not a packed responses file"):
+        import lzma
+        with lzma.open(tmp_path / "other.rsp", "wb") as f:
+            f.write(b'{"format": "something else"}\n')
+        generate.unpack_responses(tmp_path / "other.rsp", prompts, tmp_path / "bad.pt", target=smol_dir)
 
 
 def test_batched_chat_templates_equal_one_at_a_time(smol, tokenizer):

@@ -1,4 +1,5 @@
-"""``ddtree train-drafter <stage>``: prompts -> generate -> train -> export, each resumable."""
+"""``ddtree train-drafter <stage>``: prompts -> generate -> train -> export, each resumable (pack /
+unpack keep a responses file small enough to carry between device calls)."""
 from __future__ import annotations
 
 import json
@@ -28,6 +29,18 @@ def add_parser(sub) -> None:
     s.add_argument("--seed", type=int, default=None,
                    help="seed of the engine's sampling (LLM(seed=...); a resumed pass adds the prompts done)")
     s.set_defaults(func=_generate)
+
+    s = stages.add_parser("pack", help="a responses file without its prompts, compressed (to train on it again)")
+    s.add_argument("--data", required=True, help="responses file (.pt) from generate")
+    s.add_argument("--out", required=True, help="packed file (lzma, uint16 token ids)")
+    s.set_defaults(func=_pack)
+
+    s = stages.add_parser("unpack", help="a packed responses file back to .pt, its prompts templated again")
+    s.add_argument("--packed", required=True)
+    s.add_argument("--prompts", required=True, help="the prompts file the responses were generated from")
+    s.add_argument("--out", required=True, help="responses file (.pt) for train")
+    s.add_argument("--target", default=None)
+    s.set_defaults(func=_unpack)
 
     s = stages.add_parser("train", help="train (or resume) the drafter")
     s.add_argument("--data", required=True, nargs="+", help="responses file(s), concatenated")
@@ -68,6 +81,21 @@ def _generate(args) -> int:
                                max_seconds=args.max_minutes * 60 if args.max_minutes else None,
                                temperatures=_temperatures(args.temperatures), seed=args.seed)
     print(json.dumps(stats))
+    return 0
+
+
+def _pack(args) -> int:
+    from ddtree.train.generate import pack_responses
+    print(json.dumps(pack_responses(args.data, args.out)))
+    return 0
+
+
+def _unpack(args) -> int:
+    from ddtree.train.generate import unpack_responses
+    try:
+        print(json.dumps(unpack_responses(args.packed, args.prompts, args.out, target=args.target)))
+    except ValueError as e:
+        raise SystemExit(f"error: {e}") from None
     return 0
 
 

@@ -6,14 +6,20 @@ appends in chunks and skips prompts already done."""
 from __future__ import annotations
 
 import json
+import lzma
 import time
+import zlib
 from pathlib import Path
 
+import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from ddtree.engine.llm import LLM
+from ddtree.engine.llm import LLM, chat_template_ids
 from ddtree.engine.sampling_params import SamplingParams
+
+MAX_MODEL_LEN = 1024
+PACKED_FORMAT = "ddtree-responses-1"
 
 
 def load_sequences(path: Path) -> dict:
@@ -23,21 +29,22 @@ def load_sequences(path: Path) -> dict:
             "generated_tokens": 0, "seconds": 0.0}
 
 
-def prompt_within(llm: LLM, messages: list[dict], limit: int) -> list[int]:
-    """The templated prompt in at most ``limit`` tokens: a conversation first loses its oldest
-    (user, assistant) pairs, so the last user turn stays whole; a single turn is cut at its end."""
-    ids = llm.apply_chat_template(messages)
+def prompt_within(template, messages: list[dict], limit: int) -> list[int]:
+    """The templated prompt in at most ``limit`` tokens (``template``: conversations -> ids, e.g.
+    ``LLM.apply_chat_templates``): a conversation first loses its oldest (user, assistant) pairs,
+    so the last user turn stays whole; a single turn is cut at its end."""
+    ids = template([messages])[0]
     while len(ids) > limit and len(messages) >= 3:
         messages = messages[2:]
-        ids = llm.apply_chat_template(messages)
+        ids = template([messages])[0]
     return ids[:limit]
 
 
-def prompts_within(llm: LLM, conversations: list[list[dict]], limit: int) -> list[list[int]]:
+def prompts_within(template, conversations: list[list[dict]], limit: int) -> list[list[int]]:
     """``prompt_within`` for a chunk: one batched tokenizer call for all of them (the GPU waits
     while the host templates a chunk), the pair-dropping loop only for those over ``limit``."""
-    ids = llm.apply_chat_templates(conversations)
-    return [x if len(x) <= limit else prompt_within(llm, c, limit) for x, c in zip(ids, conversations)]
+    ids = template(conversations)
+    return [x if len(x) <= limit else prompt_within(template, c, limit) for x, c in zip(ids, conversations)]
 
 
 def generate_responses(prompts_path: str | Path, out_path: str | Path, target=None, max_new_tokens: int = 256,
@@ -54,7 +61,14 @@ def generate_responses(prompts_path: str | Path, out_path: str | Path, target=No
     # The engine takes the seed: on CUDA its sampler draws its own seed when it is built, so seeding
     # torch afterwards (as until 2026-12-04) left every T=1 pass on the GPU with the same responses.
     # A resumed pass does not repeat its draws.
-    llm = LLM(target=target, method="ar", device=device, dtype=dtype, max_model_len=1024,
+    prompt_limit = MAX_MODEL_LEN - max_new_tokens - 1
+    if data["done"] and data.setdefault("prompt_limit", prompt_limit) != prompt_limit:
+        raise ValueError(f"{out_path} was generated with prompts cut at {data['prompt_limit']} tokens; "
+                         f"--max-new-tokens {max_new_tokens} would cut them at {prompt_limit}")
+    data["prompt_limit"] = prompt_limit
+    if data["done"] >= len(prompts):  # a finished pass (e.g. unpacked): nothing to load the target for
+        return _pass_stats(data)
+    llm = LLM(target=target, method="ar", device=device, dtype=dtype, max_model_len=MAX_MODEL_LEN,
               max_num_seqs=max_num_seqs, max_num_batched_tokens=16384, kv_cache_gb=kv_cache_gb,
               seed=0 if seed is None else seed + data["done"])
     start = time.perf_counter()
@@ -63,7 +77,7 @@ def generate_responses(prompts_path: str | Path, out_path: str | Path, target=No
         if max_seconds is not None and time.perf_counter() - start > max_seconds:
             break
         batch = prompts[data["done"]:data["done"] + chunk]
-        ids = prompts_within(llm, [p["messages"] for p in batch], 1024 - max_new_tokens - 1)
+        ids = prompts_within(llm.apply_chat_templates, [p["messages"] for p in batch], prompt_limit)
         params = [SamplingParams(temperature=temperatures[(data["done"] + i) % len(temperatures)],
                                  max_tokens=max_new_tokens) for i in range(len(batch))]
         t0 = time.perf_counter()
@@ -82,5 +96,75 @@ def generate_responses(prompts_path: str | Path, out_path: str | Path, target=No
         bar.update(len(batch))
         bar.set_postfix(tok_s=f"{data['generated_tokens'] / max(data['seconds'], 1e-9):.0f}")
     bar.close()
+    return _pass_stats(data)
+
+
+def _pass_stats(data: dict) -> dict:
     return {"sequences": data["done"], "generated_tokens": data["generated_tokens"],
             "seconds": data["seconds"], "tokens_per_s": data["generated_tokens"] / max(data["seconds"], 1e-9)}
+
+
+def _prompt_crc(tokens: torch.Tensor, offsets, prompt_lens) -> int:
+    crc = 0
+    for start, n in zip(offsets, prompt_lens):
+        crc = zlib.crc32(tokens[start:start + n].numpy().astype("<u2").tobytes(), crc)
+    return crc
+
+
+def pack_responses(data_path: str | Path, out_path: str | Path) -> dict:
+    """A pass's responses without their prompts, as lzma-compressed uint16 (about a quarter of
+    the .pt): small enough to bring back from a device call and carry to the next one, so a
+    pass that is worth training on again (the greedy one) is generated once. The prompt tokens
+    come back from the prompts file by ``unpack_responses``; their CRC-32 checks that they do."""
+    data = torch.load(data_path)
+    tokens, offsets, prompt_lens = data["tokens"], data["offsets"], data["prompt_lens"]
+    if len(tokens) and (int(tokens.min()) < 0 or int(tokens.max()) > 0xFFFF):
+        raise ValueError(f"{data_path}: token ids outside 0..65535 cannot be packed as uint16")
+    n = len(prompt_lens)
+    responses = torch.cat([tokens[offsets[i] + prompt_lens[i]:offsets[i + 1]] for i in range(n)]) if n else tokens
+    header = {"format": PACKED_FORMAT, "sequences": n, "prompt_lens": list(map(int, prompt_lens)),
+              "response_lens": [offsets[i + 1] - offsets[i] - prompt_lens[i] for i in range(n)],
+              # every pass before the limit was stored used 256 new tokens: 1024 - 256 - 1
+              "prompt_limit": data.get("prompt_limit", MAX_MODEL_LEN - 256 - 1),
+              "prompt_crc32": _prompt_crc(tokens, offsets[:-1], prompt_lens),
+              "generated_tokens": data["generated_tokens"], "seconds": data["seconds"]}
+    with lzma.open(out_path, "wb", preset=1) as f:
+        f.write((json.dumps(header) + "\n").encode())
+        np.save(f, responses.numpy().astype("<u2"), allow_pickle=False)
+    return {"sequences": n, "response_tokens": len(responses), "bytes": Path(out_path).stat().st_size}
+
+
+def unpack_responses(packed_path: str | Path, prompts_path: str | Path, out_path: str | Path,
+                     target=None, chunk: int = 4096) -> dict:
+    """The .pt that ``pack_responses`` packed, its prompts templated again from ``prompts_path``
+    (the same prompts file, in the same order) with the target's tokenizer."""
+    from ddtree.models.loader import load_tokenizer, resolve_target
+    with lzma.open(packed_path, "rb") as f:
+        header = json.loads(f.readline())
+        if header.get("format") != PACKED_FORMAT:
+            raise ValueError(f"{packed_path}: not a packed responses file ({PACKED_FORMAT})")
+        responses = torch.from_numpy(np.load(f, allow_pickle=False).astype(np.int32))
+    n = header["sequences"]
+    prompts = [json.loads(line) for line in Path(prompts_path).read_text().split("\n") if line.strip()]
+    if len(prompts) < n:
+        raise ValueError(f"{prompts_path} has {len(prompts)} prompts; {packed_path} answers {n}")
+    tokenizer = load_tokenizer(resolve_target(target))
+    template = lambda conversations: chat_template_ids(tokenizer, conversations)  # noqa: E731
+    pieces, offsets, prompt_lens, at = [], [0], [], 0
+    for start in range(0, n, chunk):
+        batch = [p["messages"] for p in prompts[start:min(n, start + chunk)]]
+        for i, ids in enumerate(prompts_within(template, batch, header["prompt_limit"]), start):
+            r = header["response_lens"][i]
+            pieces += [torch.tensor(ids, dtype=torch.int32), responses[at:at + r]]
+            at += r
+            offsets.append(offsets[-1] + len(ids) + r)
+            prompt_lens.append(len(ids))
+    tokens = torch.cat(pieces) if pieces else torch.zeros(0, dtype=torch.int32)
+    if prompt_lens != header["prompt_lens"] or _prompt_crc(tokens, offsets[:-1], prompt_lens) != header["prompt_crc32"]:
+        raise ValueError(f"{packed_path}: the prompts of {prompts_path}, templated by this target's tokenizer, "
+                         "are not those the responses answered (another prompts file, order or tokenizer?)")
+    data = {"tokens": tokens, "offsets": offsets, "prompt_lens": prompt_lens, "done": n,
+            "generated_tokens": header["generated_tokens"], "seconds": header["seconds"],
+            "prompt_limit": header["prompt_limit"]}
+    torch.save(data, out_path)
+    return {"sequences": n, "tokens": len(tokens)}

@@ -17,6 +17,12 @@ Sources (all offline, licences compatible with training):
 - ``code``: "write this function" prompts made from the Python standard library's own public
   functions and methods (PSF licence): signature and first docstring paragraph, read from the
   stdlib sources with ``ast`` (nothing is imported, so no module side effects).
+- ``code_packages``: the same kind of prompts from the wheels of ``CODE_PACKAGES``, pure-Python PyPI
+  packages under MIT / BSD / Apache licences (checked in each wheel's METADATA) pinned by version and
+  fetched with ``pip download`` (algorithms, networkx, more-itertools, pydash, boltons, funcy, toolz,
+  sortedcontainers, mpmath, humanize, inflect, sympy capped at 1,500), plus "solve this" prompts from
+  the problem statements that open the modules of ``algorithms``. The wheels are read as zip files
+  with ``ast``: nothing is installed or imported.
 
 Every candidate is filtered: stripped text of 10..2000 characters, English-ish, not a duplicate of
 an earlier one (normalised text), and not overlapping an evaluation prompt
@@ -42,12 +48,14 @@ import os
 import random
 import re
 import sys
+import subprocess
 import sysconfig
+import zipfile
 import time
 from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 
-SOURCES = ("sharegpt", "gsm8k", "code", "sharegpt_later")
+SOURCES = ("sharegpt", "gsm8k", "code", "sharegpt_later", "code_packages")
 MIN_CHARS = 10
 MAX_CHARS = 2000
 # A later turn with its context. With the phase-2 settings the templated prompts have a median of
@@ -284,12 +292,18 @@ def _first_paragraph(doc: str) -> str:
     return " ".join(para.split())
 
 
-def _code_items(module: str, path: Path) -> list[tuple[str, str | None, str, str]]:
-    """(module, class or None, signature, first docstring paragraph) of the public, documented
-    top-level functions and methods of top-level classes in one stdlib file."""
+def _parse(source: bytes) -> ast.Module | None:
     try:
-        tree = ast.parse(path.read_text(encoding="utf-8"))
+        return ast.parse(source.decode("utf-8"))
     except (SyntaxError, UnicodeDecodeError, ValueError):
+        return None
+
+
+def _code_items(module: str, source: bytes) -> list[tuple[str, str | None, str, str]]:
+    """(module, class or None, signature, first docstring paragraph) of the public, documented
+    top-level functions and methods of top-level classes in one Python file."""
+    tree = _parse(source)
+    if tree is None:
         return []
 
     def sig(node) -> str:
@@ -323,7 +337,7 @@ def iter_code(seed: int = 0, files_per_batch: int = 16) -> Iterator[tuple[str, s
     for start in range(0, len(files), files_per_batch):
         batch = []
         for module, path in files[start:start + files_per_batch]:
-            batch.extend(_code_items(module, path))
+            batch.extend(_code_items(module, path.read_bytes()))
         rng.shuffle(batch)
         for module, cls, signature, doc in batch:
             key = (cls, signature, doc)
@@ -338,10 +352,165 @@ def iter_code(seed: int = 0, files_per_batch: int = 16) -> Iterator[tuple[str, s
             yield text, name
 
 
+# Third-party pure-Python packages under permissive licences: their public, documented functions
+# make more "write this function" prompts (the stdlib runs out at ~2,900). Read from the pinned
+# wheels with ast, never installed or imported. (distribution, version, most prompts taken):
+# sympy's ~6,100 documented functions are mostly about its own algebra objects, so it is capped.
+CODE_PACKAGES = (
+    ("algorithms", "1.0.1", None),
+    ("networkx", "3.4.2", None),
+    ("more-itertools", "11.2.1", None),
+    ("pydash", "8.1.0", None),
+    ("boltons", "26.2.0", None),
+    ("funcy", "2.1", None),
+    ("toolz", "1.2.0", None),
+    ("sortedcontainers", "2.4.0", None),
+    ("mpmath", "1.4.1", None),
+    ("humanize", "4.17.0", None),
+    ("inflect", "7.6.0", None),
+    ("sympy", "1.14.0", 1500),
+)
+# Packages whose module docstrings state a problem ("Josephus Problem\n\nPeople sit in a circle...");
+# those become "solve this" prompts as well.
+PROBLEM_PACKAGES = frozenset({"algorithms"})
+_PERMISSIVE = ("MIT", "BSD", "APACHE", "PSF", "PYTHON SOFTWARE FOUNDATION", "ISC")
+_SKIP_PARTS = frozenset({"test", "tests", "testing", "benchmarks", "examples", "conftest.py"})
+_PROBLEM_TEMPLATES = (
+    "Solve this in Python. {title}: {body}",
+    "Write a Python program for the following problem.\n\n{title}\n\n{body}",
+    "{title}\n\n{body}\n\nImplement this in Python.",
+)
+_NOT_PROBLEM = re.compile(r"\s*(references?|complexity|source|notes?|see also)\b", re.IGNORECASE)
+
+
+def code_wheels_dir() -> Path:
+    return Path(os.environ.get("DDTREE_CACHE_DIR", Path.home() / ".cache" / "ddtree")) / "code_wheels"
+
+
+def _wheel_path(directory: Path, name: str, version: str) -> Path | None:
+    stem = re.sub(r"[-_.]+", "_", name).lower()
+    found = sorted(p for p in directory.glob("*.whl") if p.name.lower().startswith(f"{stem}-{version}-"))
+    return found[0] if found else None
+
+
+def ensure_code_wheels(directory: Path | str | None = None, download: bool = True) -> list[tuple[str, Path]]:
+    """The wheel of every ``CODE_PACKAGES`` entry in ``directory``, fetched with ``pip download``
+    when missing."""
+    directory = Path(directory) if directory is not None else code_wheels_dir()
+    out = []
+    for name, version, _ in CODE_PACKAGES:
+        wheel = _wheel_path(directory, name, version) if directory.is_dir() else None
+        if wheel is None and download:
+            directory.mkdir(parents=True, exist_ok=True)
+            cmd = [sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", "--only-binary=:all:",
+                   f"{name}=={version}", "-d", str(directory)]
+            done = subprocess.run(cmd, capture_output=True, text=True)
+            wheel = _wheel_path(directory, name, version)
+            if done.returncode != 0 or wheel is None:
+                raise FileNotFoundError(f"could not fetch the wheel of {name}=={version} into {directory} "
+                                        f"({' '.join(cmd[2:])}: {done.stderr.strip()[-300:]})")
+        if wheel is None:
+            raise FileNotFoundError(f"no wheel of {name}=={version} in {directory}")
+        out.append((name, wheel))
+    return out
+
+
+def wheel_license(wheel: zipfile.ZipFile) -> str:
+    """The licence the wheel's METADATA declares (License-Expression, License or classifiers);
+    ValueError unless it is permissive (MIT, BSD, Apache, PSF, ISC) and no GPL."""
+    meta = next((n for n in wheel.namelist() if n.endswith(".dist-info/METADATA")), None)
+    if meta is None:
+        raise ValueError(f"{wheel.filename}: no .dist-info/METADATA")
+    declared = []
+    for line in wheel.read(meta).decode("utf-8", "replace").splitlines():
+        if not line.strip():
+            break  # the headers end at the first blank line; the long description follows
+        key, _, value = line.partition(":")
+        value = value.strip()
+        if key in ("License-Expression", "License") and value:
+            declared.append(value)
+        elif key == "Classifier" and value.startswith("License ::"):
+            declared.append(value.split("::")[-1].strip())
+    text = " ".join(declared).upper()
+    if not any(k in text for k in _PERMISSIVE) or "GPL" in text:
+        raise ValueError(f"{wheel.filename}: licence {declared or 'not declared'} is not one of MIT, BSD, "
+                         f"Apache, PSF, ISC")
+    return "; ".join(dict.fromkeys(declared))
+
+
+def _wheel_modules(wheel: zipfile.ZipFile) -> Iterator[tuple[str, bytes]]:
+    """(module, source) of the wheel's public modules, tests and private modules left out."""
+    for member in wheel.namelist():
+        parts = member.split("/")
+        if not member.endswith(".py") or any(p.endswith((".dist-info", ".data")) for p in parts):
+            continue
+        if set(parts) & _SKIP_PARTS or parts[-1].startswith("test_"):
+            continue
+        module = ".".join(parts).removesuffix(".py").removesuffix(".__init__")
+        if any(p.startswith("_") for p in module.split(".")):
+            continue
+        yield module, wheel.read(member)
+
+
+def _problem(source: bytes) -> tuple[str, str] | None:
+    """(title, statement) from a module docstring whose first line is a title and whose next
+    paragraphs (references and complexity notes left out) state the problem in 8 words or more."""
+    tree = _parse(source)
+    doc = ast.get_docstring(tree, clean=True) if tree is not None else None
+    if not doc:
+        return None
+    title, *paras = [p.strip() for p in doc.split("\n\n")]
+    body = "\n\n".join(p for p in paras if p and not _NOT_PROBLEM.match(p))
+    if "\n" in title or len(title.split()) > 12 or len(body.split()) < 8:
+        return None
+    return title.rstrip("."), body
+
+
+def iter_code_packages(wheels: list[tuple[str, Path]], seed: int = 0,
+                       stats: dict | None = None) -> Iterator[tuple[str, str | None]]:
+    """Code prompts from the wheels of ``CODE_PACKAGES``: each package's items in a seeded order
+    cut to its cap, then all of them shuffled together. Yields (prompt, function name or None)."""
+    caps = {name: cap for name, _, cap in CODE_PACKAGES}
+    stats = {} if stats is None else stats
+    rng = random.Random(seed)
+    items = []
+    for name, path in wheels:
+        with zipfile.ZipFile(path) as wheel:
+            licence = wheel_license(wheel)
+            found, seen = [], set()
+            for module, source in _wheel_modules(wheel):
+                for item in _code_items(module, source):
+                    if item[1:] not in seen:
+                        seen.add(item[1:])
+                        found.append(("code", item))
+                if name in PROBLEM_PACKAGES and (problem := _problem(source)) is not None:
+                    found.append(("problem", problem))
+        rng.shuffle(found)
+        cap = caps.get(name)
+        taken = found[:cap] if cap is not None else found
+        stats.setdefault("packages", {})[name] = {"wheel": path.name, "license": licence, "items": len(found),
+                                                  "taken": len(taken)}
+        items.extend(taken)
+    rng.shuffle(items)
+    for kind, item in items:
+        if kind == "problem":
+            title, body = item
+            yield rng.choice(_PROBLEM_TEMPLATES).format(title=title, body=body), None
+            continue
+        module, cls, signature, doc = item
+        if cls is None:
+            text = rng.choice(_FUNCTION_TEMPLATES).format(sig=signature, doc=doc, module=module)
+        else:
+            text = rng.choice(_METHOD_TEMPLATES).format(sig=signature, doc=doc, cls=cls)
+        yield text, signature.split("(", 1)[0]
+
+
 # ---------------------------------------------------------------------------------------------
 # builder
 
-def _source_stream(source: str, seed: int, gsm8k_path, sharegpt_file, info: dict) -> Iterator[tuple[str, object]]:
+def _source_stream(source: str, seed: int, gsm8k_path, sharegpt_file, wheels, info: dict) -> Iterator[tuple[str, object]]:
+    if source == "code_packages":
+        return iter_code_packages(wheels, seed, stats=info)
     if source == "sharegpt":
         return iter_sharegpt(sharegpt_file, info)
     if source == "sharegpt_later":
@@ -353,7 +522,8 @@ def _source_stream(source: str, seed: int, gsm8k_path, sharegpt_file, info: dict
 
 def build_prompts(out_path: str | os.PathLike, n_sharegpt: int = 6000, n_gsm8k: int = 4000, n_code: int = 2000,
                   seed: int = 0, gsm8k_path: str | os.PathLike | None = None, *, n_sharegpt_later: int = 0,
-                  sharegpt_file: str | os.PathLike | None = None,
+                  sharegpt_file: str | os.PathLike | None = None, n_code_packages: int = 0,
+                  code_wheels: str | os.PathLike | None = None,
                   extra_candidates: Mapping[str, Iterable[str]] | None = None,
                   eval_texts: Iterable[str] | None = None, entry_points: Iterable[str] | None = None) -> dict:
     """Collect filtered, decontaminated training prompts and write them as JSONL to ``out_path``.
@@ -377,9 +547,11 @@ def build_prompts(out_path: str | os.PathLike, n_sharegpt: int = 6000, n_gsm8k: 
     eval_texts = list(eval_texts)
     index = ContaminationIndex(eval_texts)
     entry_points = set(entry_points)
-    wanted = {"sharegpt": n_sharegpt, "gsm8k": n_gsm8k, "code": n_code, "sharegpt_later": n_sharegpt_later}
+    wanted = {"sharegpt": n_sharegpt, "gsm8k": n_gsm8k, "code": n_code, "sharegpt_later": n_sharegpt_later,
+              "code_packages": n_code_packages}
     if n_gsm8k > 0:  # fail early, before the slower sources are read
         next(iter_gsm8k(gsm8k_path, seed), None)
+    wheels = ensure_code_wheels(code_wheels) if n_code_packages > 0 else []
 
     seen: set[str] = set()
     records: list[dict] = []
@@ -398,7 +570,7 @@ def build_prompts(out_path: str | os.PathLike, n_sharegpt: int = 6000, n_gsm8k: 
 
         def candidates():
             yield from extras
-            yield from _source_stream(source, seed, gsm8k_path, sharegpt_file, info)
+            yield from _source_stream(source, seed, gsm8k_path, sharegpt_file, wheels, info)
 
         for raw, tag in candidates():
             if s["written"] >= wanted[source]:
@@ -476,6 +648,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--n-code", type=int, default=2000, help="code prompts from the Python stdlib")
     p.add_argument("--n-sharegpt-later", type=int, default=0,
                    help="ShareGPT later user turns, each with its conversation so far as context")
+    p.add_argument("--n-code-packages", type=int, default=0,
+                   help="code prompts from permissively licensed packages' wheels (CODE_PACKAGES, fetched with pip)")
+    p.add_argument("--code-wheels", type=Path, default=None,
+                   help="folder of those wheels (default: $DDTREE_CACHE_DIR/code_wheels; missing ones are downloaded)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--gsm8k", type=Path, default=None, help=f"gsm8k_train.jsonl (default: {DEFAULT_GSM8K})")
 
@@ -485,7 +661,8 @@ def run(args: argparse.Namespace) -> int:
     out = args.out or default_out_path()
     try:
         stats = build_prompts(out, n_sharegpt=args.n_sharegpt, n_gsm8k=args.n_gsm8k, n_code=args.n_code,
-                              seed=args.seed, gsm8k_path=args.gsm8k, n_sharegpt_later=args.n_sharegpt_later)
+                              seed=args.seed, gsm8k_path=args.gsm8k, n_sharegpt_later=args.n_sharegpt_later,
+                              n_code_packages=args.n_code_packages, code_wheels=args.code_wheels)
     except (ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Continue the shipped drafter on fresh responses (phases 3-10 of the model card): a greedy pass and
+# Continue the shipped drafter on fresh responses (phases 3-10 of the model card, 11 planned): a greedy pass and
 # a seeded T=1 pass over the training prompts (T1_SEED: use one the drafter has not seen;
 # phase 3 used 1, phase 4 used 2, phase 5 used 3, phase 6 used 4, phase 7 5 and 6, phase 8 7, phase 9 8, phase 10 9; until
 # 2026-12-04 the seed did not reach the engine's CUDA sampler, so phases 6 and 7 got the same T=1
@@ -53,6 +53,17 @@
 # CONCURRENCY=1 BENCH_ARGS=--stop-at-eos) instead of the CUDA tests: 1,559 device seconds. Its passes
 # ran slower (49-52 k tok/s) and GEN_MINUTES=2.5 stopped both at 34,816 of the 38,153 prompts, leaving
 # 8.0 training minutes; GEN_MINUTES=2.8 would cover them at that rate (and train ~0.6 minutes less).
+# Phase 11 (planned, 2026-12-04, eighth session, no device lent): a new prompts file, the 38,153
+# prompts plus 5,087 code prompts from permissively licensed packages' wheels (43,240; 13.1 MB
+# gzipped, .stage/tp.gz.00/.01; the phase-10 ones are kept in .stage/phase10/):
+#   ddtree train-drafter prompts --out .stage/train_prompts.jsonl --n-sharegpt 40000 --n-gsm8k 7473 \
+#     --n-code 6000 --n-sharegpt-later 40000 --n-code-packages 6000
+# (the first 38,153 are the phase-6..10 prompts exactly; the shuffle puts them in another order, so
+# the greedy pass is made again). Every pass is now packed into $OUT (<name>.rsp, responses only,
+# lzma; `ddtree train-drafter pack`); copy them into .stage/ here and carry them into /tmp/stage in
+# an extra staging call of a later phase on the same prompts file: `start` unpacks them, resumes
+# the greedy pass where it was cut (or skips it: ~3 minutes of device time) and trains on every
+# pass it has, old and new. Suggested: GEN_MINUTES=3.0 T1_SEED=10 START_SECONDS=540 LAST_MINUTES=5.5.
 # The run's checkpoint lives in the machine's /tmp (its optimizer state is too big for $OUT), so
 # `start` also brings its weights back (partial_model.safetensors.p*, partial_small.tar): if the
 # machine goes back between calls (it did on 2026-12-03, after the first try at phase 5's first call), restage,
@@ -71,45 +82,50 @@ SHIPPED=ddtree/drafters/SmolLM2-135M-Instruct-DFlash
 T0=$(date +%s)
 minutes_left() { python3 -c "print(max(0.5, ($1 - ($(date +%s) - $T0)) / 60))"; }  # of a budget in s
 TRAIN() {  # every response pass on the machine (`more` adds a second T=1 pass to a resumed run)
-  python3 -m ddtree.cli train-drafter train --data /tmp/resp_greedy.pt /tmp/resp_t1.pt \
-    $(ls /tmp/resp_t1b.pt 2>/dev/null) --target $G --init ${INIT:-$SHIPPED} --batch-size 32 --anchors 64 \
+  python3 -m ddtree.cli train-drafter train --data /tmp/resp_*.pt \
+    --target $G --init ${INIT:-$SHIPPED} --batch-size 32 --anchors 64 \
     --lr ${LR:-3e-4} --distill 0.5 --run-dir /tmp/run4 "$@"
 }
 elapsed_minutes() { python3 -c "import torch; print(torch.load('/tmp/run4/checkpoint.pt', weights_only=False)['elapsed'] / 60)"; }
 export_partial() {
   python3 -m ddtree.cli train-drafter export --run-dir /tmp/run4 --out /tmp/export_partial
   split -b 12000000 -d /tmp/export_partial/model.safetensors $OUT/partial_model.safetensors.p
-  tar -cf $OUT/partial_small.tar -C /tmp/export_partial config.json mask_embedding.pt
+  tar -cf $OUT/partial_small.tar -C /tmp/export_partial config.json mask_embedding.pt -C /tmp/run4 train_log.jsonl \
+    -C /tmp $(cd /tmp && ls responses_*.json)
 }
-gen() {  # out, temperatures, seed
-  python3 -m ddtree.cli train-drafter generate --prompts /tmp/stage/train_prompts.jsonl --out "$1" --target $G \
-    --max-new-tokens 256 --chunk 2048 --max-num-seqs 256 --kv-cache-gb 24 --max-minutes ${GEN_MINUTES:-1.5} \
-    --temperatures "$2" --seed "$3" 2>&1 | tail -1
+gen() {  # name, temperatures, seed: /tmp/resp_<name>.pt (resumed where a packed pass was carried),
+         # packed into $OUT/<name>.rsp so that a later phase can train on it again without generating it
+  python3 -m ddtree.cli train-drafter generate --prompts /tmp/stage/train_prompts.jsonl --out /tmp/resp_$1.pt \
+    --target $G --max-new-tokens 256 --chunk 2048 --max-num-seqs 256 --kv-cache-gb 24 \
+    --max-minutes ${GEN_MINUTES:-1.5} --temperatures "$2" --seed "$3" 2>&1 | tail -1 | tee /tmp/responses_$1.json
+  python3 -m ddtree.cli train-drafter pack --data /tmp/resp_$1.pt --out $OUT/$1.rsp
 }
 case "$1" in
 start)
   cp .stage/gguf.r07 /tmp/stage/
   cat /tmp/stage/gguf.r0* > $G
   md5sum $G
-  gen /tmp/resp_greedy.pt 0 0 | tee $OUT/responses_greedy.json
-  gen /tmp/resp_t1.pt 1 ${T1_SEED:?set T1_SEED to a seed the drafter has not seen} | tee $OUT/responses_t1.json
+  for f in /tmp/stage/*.rsp; do  # passes of earlier phases over this prompts file, carried in
+    [ -e "$f" ] && python3 -m ddtree.cli train-drafter unpack --packed $f --prompts /tmp/stage/train_prompts.jsonl \
+      --target $G --out /tmp/resp_$(basename $f .rsp).pt
+  done
+  gen greedy 0 0   # deterministic: finishes a carried greedy.rsp, or makes it
+  gen t1_seed${T1_SEED:?set T1_SEED to a seed the drafter has not seen} 1 $T1_SEED
   # Train until ~9 min into the call, on a cosine over this call's minutes and finish's LAST_MINUTES
   # (--minutes: by training time, so a faster or slower second call still ends it at zero).
   FIRST=$(minutes_left ${START_SECONDS:-525})
   TRAIN --steps 1000000 --minutes "$(python3 -c "print($FIRST + ${LAST_MINUTES:-5.8})")" \
     --max-minutes "$FIRST" 2>&1 | tail -1
-  cp /tmp/run4/train_log.jsonl $OUT/
   export_partial
   ;;
 more)
   # A middle call (phase 7): a second T=1 pass (T1_SEED2) joins the data, then the run goes on
   # until MORE_SECONDS into the call on a cosine that still leaves finish's LAST_MINUTES.
-  gen /tmp/resp_t1b.pt 1 ${T1_SEED2:?set T1_SEED2 to another unseen seed} | tee $OUT/responses_t1b.json
+  gen t1_seed${T1_SEED2:?set T1_SEED2 to another unseen seed} 1 $T1_SEED2
   NOW=$(minutes_left ${MORE_SECONDS:-520})
   TOTAL=$(python3 -c "print($(elapsed_minutes) + $NOW + ${LAST_MINUTES:-4.0})")
   echo "schedule: $TOTAL training minutes in all, $NOW in this call"
   TRAIN --steps 1000000 --minutes "$TOTAL" --max-minutes "$NOW" 2>&1 | tail -1
-  cp /tmp/run4/train_log.jsonl $OUT/
   export_partial
   ;;
 finish)
