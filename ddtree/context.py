@@ -14,8 +14,6 @@ from dataclasses import dataclass, field
 
 import torch
 
-MASKS = ("causal", "full", "tree")
-
 
 def slots_for(block_tables: torch.Tensor, positions: torch.Tensor, block_size: int) -> torch.Tensor:
     """Cache slot of each (sequence, position): block_tables [N, B], positions [N, P] -> [N, P]."""
