@@ -2,6 +2,7 @@
 
 The builder must never let an evaluation prompt (HumanEval, MT-Bench) into the training prompts,
 also when it is reformatted or embedded in a longer text."""
+import ast
 import json
 import re
 
@@ -320,3 +321,30 @@ def test_code_packages_refuse_unlicensed_or_missing_wheels(tmp_path, monkeypatch
     monkeypatch.setattr(P.subprocess, "run", lambda *a, **k: Failed())
     with pytest.raises(FileNotFoundError, match=r"could not fetch the wheel of copyleft==1\.0.*No matching"):
         P.ensure_code_wheels(tmp_path / "empty")
+
+
+def test_code_stubs_read_like_a_function_to_complete():
+    source = b'''
+class Interval:
+    def overlaps(self, other) -> bool:
+        """Tell whether this interval shares a point with another one.
+
+        >>> Interval().overlaps(Interval())
+        True
+        """
+
+async def fetch_all(urls, *, limit=4):
+    """Fetch every url, at most ``limit`` at a time, and say \\"\\"\\"done\\"\\"\\" after."""
+'''
+    (_, cls, sig, para, stub), (_, _, _, _, stub2) = P._code_items("m", source)
+    assert (cls, sig, para) == ("Interval", "overlaps(self, other) -> bool",
+                                "Tell whether this interval shares a point with another one.")
+    assert stub == ('class Interval:\n    def overlaps(self, other) -> bool:\n'
+                    '        """Tell whether this interval shares a point with another one.\n\n'
+                    '        >>> Interval().overlaps(Interval())\n        True\n        """\n')
+    assert stub2 == ("async def fetch_all(urls, *, limit=4):\n"
+                     '    """Fetch every url, at most ``limit`` at a time, and say \'\'\'done\'\'\' after."""\n')
+    compile(stub + stub2, "stubs", "exec")  # valid Python (a docstring is a body)
+    long_doc = "First paragraph.\n\n" + "word " * 300
+    stub3 = P._stub(ast.parse("def f(): pass").body[0], "f()", long_doc, None)
+    assert stub3 == 'def f():\n    """First paragraph."""\n'  # whole paragraphs within the limit

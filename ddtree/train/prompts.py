@@ -20,8 +20,10 @@ Sources (all offline, licences compatible with training):
 - ``code_packages``: the same kind of prompts from the wheels of ``CODE_PACKAGES``, pure-Python PyPI
   packages under MIT / BSD / Apache licences (checked in each wheel's METADATA) pinned by version and
   fetched with ``pip download`` (algorithms, networkx, more-itertools, pydash, boltons, funcy, toolz,
-  sortedcontainers, mpmath, humanize, inflect, sympy capped at 1,500), plus "solve this" prompts from
-  the problem statements that open the modules of ``algorithms``. The wheels are read as zip files
+  sortedcontainers, mpmath, humanize, inflect, sympy capped at 1,500), half of the functions as
+  HumanEval's form of request (the eval's "Complete the following Python function." with a stub:
+  the ``def`` line and its docstring), plus "solve this" prompts from the problem statements that
+  open the modules of ``algorithms``. The wheels are read as zip files
   with ``ast``: nothing is installed or imported.
 
 Every candidate is filtered: stripped text of 10..2000 characters, English-ish, not a duplicate of
@@ -299,9 +301,25 @@ def _parse(source: bytes) -> ast.Module | None:
         return None
 
 
-def _code_items(module: str, source: bytes) -> list[tuple[str, str | None, str, str]]:
-    """(module, class or None, signature, first docstring paragraph) of the public, documented
-    top-level functions and methods of top-level classes in one Python file."""
+def _stub(fn, signature: str, doc: str, cls: str | None, limit: int = 1200) -> str:
+    """The function as a stub to complete: its ``def`` line (in its class when a method) and its
+    docstring, cut to the whole paragraphs that fit ``limit`` characters."""
+    kept = []
+    for para in doc.split("\n\n"):
+        if kept and sum(len(k) + 2 for k in kept) + len(para) > limit:
+            break
+        kept.append(para)
+    lines = "\n\n".join(kept).replace('"""', "'''").split("\n")
+    pad = "        " if cls else "    "
+    body = pad + '"""' + "\n".join([lines[0]] + [pad + line if line else "" for line in lines[1:]])
+    body += ("\n" + pad + '"""') if len(lines) > 1 else '"""'
+    head = ("async " if isinstance(fn, ast.AsyncFunctionDef) else "") + f"def {signature}:"
+    return (f"class {cls}:\n    {head}\n" if cls else f"{head}\n") + body + "\n"
+
+
+def _code_items(module: str, source: bytes) -> list[tuple[str, str | None, str, str, str]]:
+    """(module, class or None, signature, first docstring paragraph, stub) of the public,
+    documented top-level functions and methods of top-level classes in one Python file."""
     tree = _parse(source)
     if tree is None:
         return []
@@ -323,7 +341,7 @@ def _code_items(module: str, source: bytes) -> list[tuple[str, str | None, str, 
             para = _first_paragraph(doc) if doc else ""
             if len(para.split()) < 4 or para.lower().startswith(("deprecated", "xxx", "todo", "internal")):
                 continue
-            items.append((module, cls, sig(fn), para))
+            items.append((module, cls, sig(fn), para, _stub(fn, sig(fn), doc, cls)))
     return items
 
 
@@ -339,7 +357,7 @@ def iter_code(seed: int = 0, files_per_batch: int = 16) -> Iterator[tuple[str, s
         for module, path in files[start:start + files_per_batch]:
             batch.extend(_code_items(module, path.read_bytes()))
         rng.shuffle(batch)
-        for module, cls, signature, doc in batch:
+        for module, cls, signature, doc, _ in batch:
             key = (cls, signature, doc)
             if key in seen:
                 continue
@@ -480,8 +498,8 @@ def iter_code_packages(wheels: list[tuple[str, Path]], seed: int = 0,
             found, seen = [], set()
             for module, source in _wheel_modules(wheel):
                 for item in _code_items(module, source):
-                    if item[1:] not in seen:
-                        seen.add(item[1:])
+                    if item[1:4] not in seen:
+                        seen.add(item[1:4])
                         found.append(("code", item))
                 if name in PROBLEM_PACKAGES and (problem := _problem(source)) is not None:
                     found.append(("problem", problem))
@@ -497,8 +515,10 @@ def iter_code_packages(wheels: list[tuple[str, Path]], seed: int = 0,
             title, body = item
             yield rng.choice(_PROBLEM_TEMPLATES).format(title=title, body=body), None
             continue
-        module, cls, signature, doc = item
-        if cls is None:
+        module, cls, signature, doc, stub = item
+        if rng.random() < 0.5:  # HumanEval's own form of request (eval_drafter), on other functions
+            text = f"Complete the following Python {'method' if cls else 'function'}.\n\n{stub}"
+        elif cls is None:
             text = rng.choice(_FUNCTION_TEMPLATES).format(sig=signature, doc=doc, module=module)
         else:
             text = rng.choice(_METHOD_TEMPLATES).format(sig=signature, doc=doc, cls=cls)
