@@ -59,12 +59,14 @@
 # beside two GGUF parts; the phase-10 files are kept in .stage/phase10/):
 #   ddtree train-drafter prompts --out .stage/train_prompts.jsonl --n-sharegpt 40000 --n-gsm8k 7473 \
 #     --n-code 6000 --n-sharegpt-later 40000 --n-code-packages 6000
-# (the first 38,153 are the phase-6..10 prompts exactly; the shuffle puts them in another order, so
+# (38,153 of them are the phase-6..10 prompts exactly; the shuffle puts them in another order, so
 # the greedy pass is made again). Every pass is now packed into $OUT (<name>.rsp, responses only,
 # lzma; `ddtree train-drafter pack`); copy them into .stage/ here and carry them into /tmp/stage in
 # an extra staging call of a later phase on the same prompts file: `start` unpacks them, resumes
 # the greedy pass where it was cut (or skips it: ~3 minutes of device time) and trains on every
-# pass it has, old and new. Suggested: GEN_MINUTES=3.0 T1_SEED=10 START_SECONDS=540 LAST_MINUTES=5.5.
+# pass it has, old and new. Suggested: GEN_MINUTES=2.5 T1_SEED=10 START_SECONDS=540 LAST_MINUTES=5.5
+# (the passes stop at ~83 % of the prompts and training keeps phase 10's ~8 minutes; phase 12 finishes
+# the carried greedy pass where it stopped).
 # The run's checkpoint lives in the machine's /tmp (its optimizer state is too big for $OUT), so
 # `start` also brings its weights back (partial_model.safetensors.p*, partial_small.tar): if the
 # machine goes back between calls (it did on 2026-12-03, after the first try at phase 5's first call), restage,
