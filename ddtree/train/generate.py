@@ -112,8 +112,8 @@ def _prompt_crc(tokens: torch.Tensor, offsets, prompt_lens) -> int:
 
 
 def pack_responses(data_path: str | Path, out_path: str | Path) -> dict:
-    """A pass's responses without their prompts, as lzma-compressed uint16 (about a quarter of
-    the .pt): small enough to bring back from a device call and carry to the next one, so a
+    """A pass's responses without their prompts, as lzma-compressed uint16 (64 greedy responses:
+    7 % of their .pt): small enough to bring back from a device call and carry to the next one, so a
     pass that is worth training on again (the greedy one) is generated once. The prompt tokens
     come back from the prompts file by ``unpack_responses``; their CRC-32 checks that they do."""
     data = torch.load(data_path)

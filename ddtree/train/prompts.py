@@ -23,8 +23,8 @@ Sources (all offline, licences compatible with training):
   sortedcontainers, mpmath, humanize, inflect, sympy capped at 1,500), half of the functions as
   HumanEval's form of request (the eval's "Complete the following Python function." with a stub:
   the ``def`` line and its docstring), plus "solve this" prompts from the problem statements that
-  open the modules of ``algorithms``. The wheels are read as zip files
-  with ``ast``: nothing is installed or imported.
+  open the modules of ``algorithms``. The wheels are read as zip files with ``ast``: nothing is
+  installed or imported.
 
 Every candidate is filtered: stripped text of 10..2000 characters, English-ish, not a duplicate of
 an earlier one (normalised text), and not overlapping an evaluation prompt
@@ -341,7 +341,8 @@ def _code_items(module: str, source: bytes) -> list[tuple[str, str | None, str, 
             para = _first_paragraph(doc) if doc else ""
             if len(para.split()) < 4 or para.lower().startswith(("deprecated", "xxx", "todo", "internal")):
                 continue
-            items.append((module, cls, sig(fn), para, _stub(fn, sig(fn), doc, cls)))
+            signature = sig(fn)
+            items.append((module, cls, signature, para, _stub(fn, signature, doc, cls)))
     return items
 
 
