@@ -239,6 +239,12 @@ def test_packed_responses_unpack_to_the_same_pass(tmp_path, smol_dir, monkeypatc
         with lzma.open(tmp_path / "other.rsp", "wb") as f:
             f.write(b'{"format": "something else"}\n')
         generate.unpack_responses(tmp_path / "other.rsp", prompts, tmp_path / "bad.pt", target=smol_dir)
+    (tmp_path / "plain.txt").write_text("not lzma")
+    with pytest.raises(ValueError, match="not a packed responses file"):
+        generate.unpack_responses(tmp_path / "plain.txt", prompts, tmp_path / "bad.pt", target=smol_dir)
+    from ddtree.train.cli import _pack
+    with pytest.raises(SystemExit, match="error: .*missing.pt"):
+        _pack(type("Args", (), {"data": tmp_path / "missing.pt", "out": tmp_path / "x.rsp"})())
 
 
 def test_batched_chat_templates_equal_one_at_a_time(smol, tokenizer):

@@ -86,7 +86,10 @@ def _generate(args) -> int:
 
 def _pack(args) -> int:
     from ddtree.train.generate import pack_responses
-    print(json.dumps(pack_responses(args.data, args.out)))
+    try:
+        print(json.dumps(pack_responses(args.data, args.out)))
+    except (ValueError, OSError) as e:
+        raise SystemExit(f"error: {e}") from None
     return 0
 
 
@@ -94,7 +97,7 @@ def _unpack(args) -> int:
     from ddtree.train.generate import unpack_responses
     try:
         print(json.dumps(unpack_responses(args.packed, args.prompts, args.out, target=args.target)))
-    except ValueError as e:
+    except (ValueError, OSError) as e:
         raise SystemExit(f"error: {e}") from None
     return 0
 

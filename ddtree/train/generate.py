@@ -139,11 +139,14 @@ def unpack_responses(packed_path: str | Path, prompts_path: str | Path, out_path
     """The .pt that ``pack_responses`` packed, its prompts templated again from ``prompts_path``
     (the same prompts file, in the same order) with the target's tokenizer."""
     from ddtree.models.loader import load_tokenizer, resolve_target
-    with lzma.open(packed_path, "rb") as f:
-        header = json.loads(f.readline())
-        if header.get("format") != PACKED_FORMAT:
-            raise ValueError(f"{packed_path}: not a packed responses file ({PACKED_FORMAT})")
-        responses = torch.from_numpy(np.load(f, allow_pickle=False).astype(np.int32))
+    try:
+        with lzma.open(packed_path, "rb") as f:
+            header = json.loads(f.readline())
+            if not isinstance(header, dict) or header.get("format") != PACKED_FORMAT:
+                raise ValueError
+            responses = torch.from_numpy(np.load(f, allow_pickle=False).astype(np.int32))
+    except (lzma.LZMAError, EOFError, ValueError) as e:  # JSONDecodeError is a ValueError
+        raise ValueError(f"{packed_path}: not a packed responses file ({PACKED_FORMAT})") from e
     n = header["sequences"]
     prompts = [json.loads(line) for line in Path(prompts_path).read_text().split("\n") if line.strip()]
     if len(prompts) < n:
