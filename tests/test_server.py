@@ -143,6 +143,38 @@ def test_chat_greedy_equals_chat(server):
     assert body[-1]["choices"][0]["finish_reason"] == "length"
 
 
+def test_n_choices(server):
+    """n choices per prompt, numbered prompt * n + i; usage counts each prompt once. Greedy choices
+    equal plain decoding; seeded sampled ones are reproducible, choice 0 is what n=1 with that seed
+    draws, and the others draw from other seeds."""
+    c = server.client
+    out = c.completions.create(model=MODEL, prompt=list(PROMPTS), max_tokens=N_TOKENS, temperature=0, n=2)
+    assert [ch.index for ch in out.choices] == [0, 1, 2, 3]
+    assert [ch.text for ch in out.choices] == [server.ref[p].text for p in PROMPTS for _ in range(2)]
+    n_prompt = sum(len(server.tokenizer.encode(p, add_special_tokens=False)) for p in PROMPTS)
+    assert out.usage.prompt_tokens == n_prompt
+    assert out.usage.completion_tokens == 2 * sum(len(server.ref[p].token_ids) for p in PROMPTS)
+
+    def chat(**kw):
+        return c.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=N_TOKENS, temperature=1.0,
+                                         seed=7, extra_body={"ignore_eos": True}, **kw)
+    three = chat(n=3)
+    texts = [ch.message.content for ch in three.choices]
+    assert [ch.index for ch in three.choices] == [0, 1, 2] and len(set(texts)) == 3, texts
+    assert three.usage.prompt_tokens == len(server.ref_chat.prompt_token_ids)
+    assert three.usage.completion_tokens == 3 * N_TOKENS
+    assert [ch.message.content for ch in chat(n=3).choices] == texts
+    assert chat(n=1).choices[0].message.content == texts[0]
+    streamed = ["", "", ""]
+    finished = set()
+    for chunk in chat(n=3, stream=True):
+        assert len(chunk.choices) == 1
+        streamed[chunk.choices[0].index] += chunk.choices[0].delta.content or ""
+        if chunk.choices[0].finish_reason:
+            finished.add(chunk.choices[0].index)
+    assert streamed == texts and finished == {0, 1, 2}
+
+
 def test_stop_string_and_token_ids(server):
     prompt = PROMPTS[0]
     ref = server.ref[prompt]
@@ -220,8 +252,10 @@ BAD = [
     ("completions", {"prompt": "hi", "temperature": -0.5}, "temperature", None),
     ("chat", {"messages": CHAT, "top_p": 0}, "top_p", None),
     ("chat", {"messages": CHAT, "top_p": 1.5}, "top_p", None),
-    ("completions", {"prompt": "hi", "n": 2}, "n", None),
-    ("chat", {"messages": CHAT, "n": 3, "stream": True}, "n", None),
+    ("chat", {"messages": CHAT, "n": 0}, "n", None),
+    ("completions", {"prompt": ["a", "b"], "n": 129}, "n", None),
+    ("completions", {"prompt": "hi", "n": 2, "best_of": 1}, "best_of", None),
+    ("completions", {"prompt": "hi", "best_of": 3, "stream": True}, "best_of", "unsupported_parameter"),
     ("completions", {"prompt": "hi", "stop": [""]}, "stop", None),
     ("completions", b'{"prompt": "lone \\ud800 surrogate"}', "prompt", None),
     ("completions", {"prompt": "hi", "stream_options": {"include_usage": True}}, "stream_options", None),

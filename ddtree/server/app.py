@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import dataclasses
+import hashlib
 import json
 import logging
 import re
@@ -21,7 +23,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from ddtree.engine.sampling_params import SamplingParams
 from ddtree.server.async_engine import AsyncEngine, EngineError, EngineUnavailable, Event
 from ddtree.server.metrics import ServerMetrics
-from ddtree.server.protocol import (MAX_PROMPTS, ApiError, ChatCompletionRequest, CompletionRequest,
+from ddtree.server.protocol import (MAX_CHOICES, MAX_PROMPTS, ApiError, ChatCompletionRequest, CompletionRequest,
                                     ErrorResponse, unsupported, validation_error)
 
 log = logging.getLogger("ddtree.server")
@@ -44,6 +46,16 @@ def default_model_name(target_dir) -> str:
     name = re.sub(r"\.gguf$", "", name, flags=re.I)
     name = re.sub(r"[.-](I?Q\d\w*|F16|F32|BF16)$", "", name, flags=re.I)  # quantization tag
     return name or "ddtree"
+
+
+def choice_seed(seed: int | None, i: int) -> int | None:
+    """The seed of choice ``i`` of a request seeded with ``seed``: choice 0 keeps it (n=1 draws
+    what it always did); the others get a 63-bit hash of (seed, i), so no choice of one request
+    repeats a choice of a request with a nearby seed."""
+    if seed is None or i == 0:
+        return seed
+    digest = hashlib.blake2b(f"{seed}/{i}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 1
 
 
 def _sse(obj) -> str:
@@ -225,7 +237,16 @@ class OpenAIServer:
                 prompts = [(None, self.encode_chat(req))]
             else:
                 prompts = self.encode_prompts(req)
-            params = [self.sampling_params(req, len(ids), kind) for _, ids in prompts]
+            n = req.n or 1
+            if len(prompts) * n > MAX_CHOICES:
+                raise ApiError(400, f"at most {MAX_CHOICES} choices per request (prompts x n), got "
+                                    f"{len(prompts)} x {n}", param="n")
+            # Choice i of prompt p has index p * n + i (as OpenAI numbers them).
+            choices = []
+            for text, tokens in prompts:
+                params = self.sampling_params(req, len(tokens), kind)
+                choices += [(text, tokens, dataclasses.replace(params, seed=choice_seed(params.seed, i)))
+                            for i in range(n)]
             spec = self.speculative(req)
         except ApiError as e:
             self.metrics.error(endpoint, e.type)
@@ -240,10 +261,10 @@ class OpenAIServer:
 
         rid = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
         sink: asyncio.Queue = asyncio.Queue()
-        ids = [f"{rid}-{i}" for i in range(len(prompts))]
+        ids = [f"{rid}-{i}" for i in range(len(choices))]
         added = []
         try:
-            for i, ((text, tokens), p) in enumerate(zip(prompts, params)):
+            for i, (text, tokens, p) in enumerate(choices):
                 await self.engine.add(ids[i], tokens, p, sink=sink, index=i, prompt=text, spec=spec,
                                       stream=bool(req.stream), arrival=arrival)
                 added.append(ids[i])
@@ -263,7 +284,7 @@ class OpenAIServer:
                 self.engine.abort(a)
             raise
 
-        prompt_tokens = sum(len(t) for _, t in prompts)
+        prompt_tokens = sum(len(t) for _, t in prompts)  # each prompt once, however many choices
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             open_ids = set(range(len(ids)))
@@ -312,9 +333,9 @@ class OpenAIServer:
                  "total_tokens": prompt_tokens + completion_tokens}
         created = int(time.time())
         if kind == "chat":
-            ev = results[0]
-            choices = [{"index": 0, "message": {"role": "assistant", "content": ev.text, "refusal": None},
-                        "logprobs": None, "finish_reason": _reason(ev.finish_reason)}]
+            choices = [{"index": i, "message": {"role": "assistant", "content": results[i].text, "refusal": None},
+                        "logprobs": None, "finish_reason": _reason(results[i].finish_reason)}
+                       for i in range(len(ids))]
             body = {"id": rid, "object": "chat.completion", "created": created, "model": self.model_name,
                     "choices": choices, "usage": usage, "system_fingerprint": None}
         else:
@@ -355,7 +376,8 @@ class OpenAIServer:
 
         try:
             if kind == "chat":
-                yield chunk([choice(i, "", role=True) for i in range(len(ids))])
+                for i in range(len(ids)):  # one choice per chunk, as OpenAI streams n > 1
+                    yield chunk([choice(i, "", role=True)])
             while open_ids:
                 ev: Event = await sink.get()
                 if ev.index not in open_ids:

@@ -14,6 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1  # what torch.Generator.manual_seed accepts
 MAX_PROMPTS = 256  # prompts per /v1/completions request
+MAX_CHOICES = 256  # choices (prompts x n) per request
 
 
 class _Strict(BaseModel):
@@ -43,7 +44,8 @@ class _SamplingRequest(_Strict):
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = Field(default=None, description="extension: stop at these token ids")
     ignore_eos: bool | None = Field(default=False, description="extension: keep generating past EOS")
-    n: int | None = Field(default=1, ge=1, description="only 1 is supported")
+    n: int | None = Field(default=1, ge=1, description="choices per prompt (with a seed, choice i > 0 "
+                                                       "draws from a seed derived from it and i)")
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     speculative: Speculative | None = Field(default=None, description="extension: {method, budget} for this request")
@@ -58,7 +60,7 @@ class CompletionRequest(_SamplingRequest):
         description="a string, a list of token ids, or a list of either (one choice per prompt)")
     logprobs: int | None = Field(default=None, description="not supported")
     echo: bool | None = Field(default=False, description="not supported")
-    best_of: int | None = Field(default=None, ge=1, description="only 1 is supported")
+    best_of: int | None = Field(default=None, ge=1, description="only equal to n is supported")
     suffix: str | None = Field(default=None, description="not supported")
 
 
@@ -110,8 +112,6 @@ def unsupported(req: _SamplingRequest) -> ApiError | None:
     def err(param, message):
         return ApiError(400, message, param=param, code="unsupported_parameter")
 
-    if req.n is not None and req.n != 1:
-        return err("n", f"n={req.n} is not supported: only n=1 (one choice per prompt)")
     if req.presence_penalty:
         return err("presence_penalty", "presence_penalty is not supported (only 0)")
     if req.frequency_penalty:
@@ -125,8 +125,12 @@ def unsupported(req: _SamplingRequest) -> ApiError | None:
             return err("logprobs", "logprobs is not supported")
         if req.echo:
             return err("echo", "echo is not supported")
-        if req.best_of is not None and req.best_of != 1:
-            return err("best_of", "best_of > 1 is not supported")
+        n = req.n or 1
+        if req.best_of is not None and req.best_of < n:
+            return ApiError(400, f"best_of ({req.best_of}) must be at least n ({n})", param="best_of")
+        if req.best_of is not None and req.best_of > n:
+            return err("best_of", f"best_of > n is not supported (best_of={req.best_of}, n={n}): every "
+                                  "choice generated is returned")
         if req.suffix:
             return err("suffix", "suffix is not supported")
     if isinstance(req, ChatCompletionRequest):
