@@ -30,6 +30,8 @@ class RequestOutput:
     finished: bool
     finish_reason: str | None
     metrics: SequenceMetrics
+    # params.logprobs set: per output token (its logprob, [(token, logprob)] of the most likely)
+    logprobs: list[tuple[float, list[tuple[int, float]]]] | None = None
 
 
 @dataclass
@@ -269,11 +271,12 @@ class LLMEngine:
         now = time.perf_counter()
         drafted = self.draft_tokens(launched.kind.method, launched.kind.budget)
         progressed = []
-        for seq, tokens in zip(launched.seqs, out):
+        logprobs = launched.token_logprobs or [None] * len(out)
+        for seq, tokens, lps in zip(launched.seqs, out, logprobs):
             if seq.is_finished:
                 continue
             seq.metrics.draft_tokens.append(drafted)
-            self._append(seq, tokens)
+            self._append(seq, tokens, lps)
             progressed.append(seq)
             if seq.is_finished:
                 self.scheduler.finish(seq)
@@ -342,12 +345,14 @@ class LLMEngine:
                     self.runner.time_graph(*cand, bucket, greedy=False, reps=1)
         return dict(self.auto.prior)
 
-    def _append(self, seq: Sequence, tokens: list[int]) -> None:
+    def _append(self, seq: Sequence, tokens: list[int], logprobs: list | None = None) -> None:
         """Commit tokens one by one, stopping at the first stop condition (never past max_tokens)."""
         p = seq.params
         added = 0
         for tok in tokens:
             seq.token_ids.append(tok)
+            if seq.logprobs is not None:
+                seq.logprobs.append(logprobs[added])
             added += 1
             if (not p.ignore_eos and tok in self.eos_token_ids) or tok in p.stop_token_ids:
                 seq.finish_reason = "stop"
@@ -375,10 +380,13 @@ class LLMEngine:
                 for n in range(1, len(out) + 1):
                     if any(s in self.tokenizer.decode(out[:n], skip_special_tokens=True) for s in stops):
                         del seq.token_ids[seq.num_prompt_tokens + n:]
+                        if seq.logprobs is not None:
+                            del seq.logprobs[n:]
                         break
                 seq.finish_reason = "stop"
         seq.text = text
 
     def output(self, seq: Sequence) -> RequestOutput:
         return RequestOutput(seq.request_id, seq.prompt, seq.token_ids[:seq.num_prompt_tokens], seq.text,
-                             seq.output_token_ids, seq.is_finished, seq.finish_reason, seq.metrics)
+                             seq.output_token_ids, seq.is_finished, seq.finish_reason, seq.metrics,
+                             None if seq.logprobs is None else list(seq.logprobs))

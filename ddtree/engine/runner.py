@@ -122,6 +122,10 @@ class Launched:
     by_auto: bool = False
     timed: bool = True
     path_nodes: list[list[int]] | None = None  # set by finish(): accepted tree nodes below the root
+    # Eager rounds of requests that want logprobs: (token logprobs [N, L], top ids [N, L, K], top
+    # logprobs [N, L, K]) on the device; finish() reads them into token_logprobs (per sequence).
+    logprobs: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+    token_logprobs: list[list[tuple[float, list[tuple[int, float]]]] | None] | None = None
     # A fresh round launched while a prefill still ran: (prefill end, round end) CUDA events, so
     # its cost can be told apart from the prefill's remaining GPU time.
     behind_prefill: tuple[torch.cuda.Event, torch.cuda.Event] | None = None
@@ -510,9 +514,15 @@ class ModelRunner:
             top_k=self._tensor([x.top_k for x in p]),
             top_p=self._tensor([x.top_p for x in p], torch.float32))
 
+    @staticmethod
+    def eager_only(seqs: list[Sequence]) -> bool:
+        """Rounds no graph can run: seeded requests draw from their own generators, and logprobs
+        need the verify pass's logits (the captured rounds sample in the LM head's epilogue)."""
+        return any(s.params.seed is not None or s.params.logprobs is not None for s in seqs)
+
     def graph_bucket(self, n: int, kind: StepKind, seqs: list[Sequence]) -> int | None:
-        if not self.use_graphs or any(s.params.seed is not None for s in seqs):
-            return None  # seeded requests draw from their own generators, eagerly
+        if not self.use_graphs or self.eager_only(seqs):
+            return None
         if not isinstance(self.drafter, DFlashDrafter) and kind.method != "ar":
             return None
         return next((b for b in GRAPH_BUCKETS if b >= n), None)
@@ -526,7 +536,7 @@ class ModelRunner:
             return False
         if self.device.type == "cpu":
             return not self.profile_stages
-        return self.use_graphs and not self.profile_stages and all(s.params.seed is None for s in seqs)
+        return self.use_graphs and not self.profile_stages and not self.eager_only(seqs)
 
     @torch.inference_mode()
     def launch(self, seqs: list[Sequence], method: str, budget: int, store_context: bool = False,
@@ -569,13 +579,30 @@ class ModelRunner:
                 if s.params.seed is not None and s.generator is None:
                     s.generator = torch.Generator(device=self.device).manual_seed(s.params.seed)
             gens = [s.generator for s in seqs]
-        for name, fn in zip(STAGES, self.round_stages(kind, inputs, max_keys, state, seqs, gens)):
+        top = [s.params.logprobs for s in seqs if s.params.logprobs is not None]
+        for name, fn in zip(STAGES, self.round_stages(kind, inputs, max_keys, state, seqs, gens, bool(top))):
             with self.timer(name):
                 fn()
         tokens, num_accepted, bonus = state["out"]
-        return Launched(seqs, kind, pack_outputs(tokens, num_accepted, bonus, state["accepted"][0]), None,
-                        num_accepted, bonus,
-                        after=after is not None)
+        launched = Launched(seqs, kind, pack_outputs(tokens, num_accepted, bonus, state["accepted"][0]), None,
+                            num_accepted, bonus, after=after is not None)
+        if top:
+            launched.logprobs = self.token_logprobs(state["verified"].logits, state["accepted"], tokens, max(top))
+        return launched
+
+    @staticmethod
+    def token_logprobs(logits: torch.Tensor, accepted, tokens: torch.Tensor, k: int):
+        """Log-probabilities of the tokens a round commits, from the verify pass's raw logits:
+        committed token j (j < num_accepted) was predicted at accepted node j (the root for j = 0);
+        the last one is the bonus token. Returns (their logprobs [N, L], the k most likely tokens
+        [N, L, k] and their logprobs); rows past num_accepted are padding."""
+        path, num_accepted, bonus = accepted
+        logp = torch.log_softmax(gather_rows(logits, path).float(), -1)  # [N, L, V]
+        committed = torch.cat([tokens[:, 1:], tokens[:, :1]], 1)  # accepted nodes below the root, then a pad
+        committed = committed.scatter(1, (num_accepted - 1)[:, None], bonus[:, None])
+        chosen = logp.gather(-1, committed[..., None]).squeeze(-1)
+        top_lp, top_ids = logp.topk(k, -1) if k else (logp[..., :0], committed[..., None][..., :0])
+        return chosen, top_ids, top_lp
 
     def track_context(self, seqs: list[Sequence], kind: StepKind, after: Launched | None) -> None:
         """Before a round: a plain-decoding round that defers the drafter's context marks where
@@ -649,6 +676,13 @@ class ModelRunner:
                 seq.context_from = seq.num_cached
             out.append(row[3:2 + k] + [row[1]])
             launched.path_nodes.append(row[3 + L:2 + L + k])
+        if launched.logprobs is not None:
+            chosen, top_ids, top_lp = (t[:n].tolist() for t in launched.logprobs)
+            launched.token_logprobs = [
+                None if seq.params.logprobs is None else
+                [(chosen[i][j], list(zip(top_ids[i][j], top_lp[i][j]))[:seq.params.logprobs])
+                 for j in range(len(out[i]))]
+                for i, seq in enumerate(launched.seqs)]
         return out
 
     def _graph(self, kind: StepKind, bucket: int) -> StepGraph:
@@ -669,7 +703,7 @@ class ModelRunner:
         return self._graph(kind, bucket).replay_seconds(context, reps)
 
     def round_stages(self, kind: StepKind, inp: StepInputs, max_keys: int, state: dict,
-                     seqs: list[Sequence] | None = None, generators=None):
+                     seqs: list[Sequence] | None = None, generators=None, need_logits: bool = False):
         """The round as six closures over ``state`` (one graph each when profiling stages)."""
         def draft():
             state["logprobs"] = self.draft(kind, inp, max_keys, seqs, raw=True)
@@ -678,7 +712,7 @@ class ModelRunner:
             state["tree"] = self.build(kind, inp.roots, state["logprobs"])
 
         def verify():
-            state["verified"] = self.verify(kind, inp, state["tree"], max_keys, generators)
+            state["verified"] = self.verify(kind, inp, state["tree"], max_keys, generators, need_logits)
 
         def accept():
             state["accepted"] = self.accept(kind, inp, state["tree"], state["verified"], generators)
@@ -756,11 +790,13 @@ class ModelRunner:
             ancestors = None
         return Tree(tokens, parents, depths, max_depth, ancestors)
 
-    def verify(self, kind: StepKind, inp: StepInputs, tree: Tree, max_keys: int, generators=None) -> "Verified":
+    def verify(self, kind: StepKind, inp: StepInputs, tree: Tree, max_keys: int, generators=None,
+               need_logits: bool = False) -> "Verified":
         """One target pass over root + all nodes with the ancestor mask and depth positions. On
-        CUDA, unless the round filters (top-k / top-p) or a request brings its own generator, the
-        LM head samples in its epilogue (``lm_head_sample_triton``): the round's per-node target
-        tokens come back instead of [N, T, V] fp32 logits."""
+        CUDA, unless the round filters (top-k / top-p), a request brings its own generator or
+        the logits are needed (logprobs), the LM head samples in its epilogue
+        (``lm_head_sample_triton``): the round's per-node target tokens come back instead of
+        [N, T, V] fp32 logits."""
         N, T = tree.tokens.shape
         positions = node_positions(inp.starts, tree.depths).reshape(-1)
         if kind.method == "ddtree":
@@ -772,7 +808,7 @@ class ModelRunner:
         hidden, tapped = self.target(tree.tokens.reshape(-1), positions, self.target_kv, ctx, taps)
         tapped = tapped.view(N, T, -1) if tapped is not None else None
         slots = ctx.slot_mapping.view(N, T)
-        if (kind.sampling != "filtered" and triton_enabled(hidden)
+        if (kind.sampling != "filtered" and not need_logits and triton_enabled(hidden)
                 and (generators is None or all(g is None for g in generators))):
             from ddtree.kernels.triton_lm_head import lm_head_sample_triton
             samples = lm_head_sample_triton(hidden.reshape(N * T, -1), self.target.lm_head.weight,

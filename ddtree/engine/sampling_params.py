@@ -3,10 +3,15 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+MAX_LOGPROBS = 20  # most likely tokens a request may ask for per position (as OpenAI's top_logprobs)
+
 
 @dataclass
 class SamplingParams:
-    """vLLM-shaped sampling settings. temperature 0 = greedy; top_k 0 = off; top_p 1 = off."""
+    """vLLM-shaped sampling settings. temperature 0 = greedy; top_k 0 = off; top_p 1 = off.
+    ``logprobs`` = k: each output token's log-probability under the target and its k most likely
+    tokens (0: the token's alone; None: none), from the raw logits, before temperature and
+    filters (vLLM's default)."""
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
@@ -15,6 +20,7 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     seed: int | None = None
+    logprobs: int | None = None
 
     def __post_init__(self):
         self.validate()
@@ -39,3 +45,6 @@ class SamplingParams:
             raise ValueError(f"stop_token_ids must be a list of token ids, got {self.stop_token_ids!r}")
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
             raise ValueError(f"seed must be an integer, got {self.seed!r}")
+        if self.logprobs is not None and (isinstance(self.logprobs, bool) or not isinstance(self.logprobs, int)
+                                          or not 0 <= self.logprobs <= MAX_LOGPROBS):
+            raise ValueError(f"logprobs must be an integer in [0, {MAX_LOGPROBS}] or None, got {self.logprobs!r}")

@@ -59,6 +59,10 @@ class Sequence:
         self.decode_fn = None  # token ids -> text; set by the engine when it has a tokenizer
         self.metrics = SequenceMetrics()
         self.generator: torch.Generator | None = None  # made on the model's device at first use
+        # Per output token, when params.logprobs is set: (its log-probability, [(token, logprob)]
+        # of the params.logprobs most likely tokens).
+        self.logprobs: list[tuple[float, list[tuple[int, float]]]] | None = \
+            [] if params.logprobs is not None else None
 
     @property
     def text(self) -> str:
