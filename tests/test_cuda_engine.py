@@ -233,3 +233,24 @@ def test_fused_sampler_in_captured_rounds_is_lossless(method, monkeypatch):
         lens = [n for o in outs for n in o.metrics.accepted_lengths]
         # drafts were accepted, so the walk used the samples (a 3-token chain accepts less: ~1.23 on CPU)
         assert sum(lens) / len(lens) > (1.3 if method == "ddtree" else 1.15)
+
+
+def test_logprobs_beside_graph_rounds(models):
+    """Requests with logprobs run eager rounds (the graphs sample in the LM head) in a batch that
+    otherwise replays graphs: every token stays the graph run's, and the logprobs are the
+    target's own (a teacher-forced pass)."""
+    from test_logprobs import teacher_forced
+    prompts = _prompts(4)
+    plain, _ = _run(models, "ddtree", 32, graphs=True, overlap=True, prompts=prompts, batched=True)
+    llm = LLM(target=models[0], drafter=models[1], method="ddtree", budget=32, device="cuda", dtype=torch.float32,
+              max_model_len=1024, max_num_seqs=8, kv_cache_gb=0.5, max_budget=32)
+    params = [SamplingParams(temperature=0, max_tokens=64, ignore_eos=True, logprobs=2 if i % 2 else None)
+              for i in range(4)]
+    outs = llm.generate(prompts, params)
+    assert [o.token_ids for o in outs] == plain
+    for i in (1, 3):
+        ref = teacher_forced(models[0], prompts[i], outs[i].token_ids)
+        got = torch.tensor([lp for lp, _ in outs[i].logprobs], dtype=torch.float64)
+        assert torch.allclose(got, ref.gather(1, torch.tensor(outs[i].token_ids)[:, None])[:, 0], atol=1e-3)
+        assert [[t for t, _ in best] for _, best in outs[i].logprobs] == ref.topk(2).indices.tolist()
+    assert outs[0].logprobs is None

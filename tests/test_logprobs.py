@@ -19,11 +19,13 @@ def teacher_forced(smol, prompt: list[int], output: list[int]) -> torch.Tensor:
     ids = prompt + output
     n = len(ids)
     layers, heads, dim = smol.kv_shape()
-    kv = [(torch.zeros(n, heads, dim), torch.zeros(n, heads, dim)) for _ in range(layers)]
+    dev = smol.lm_head.weight.device
+    kv = [(torch.zeros(n, heads, dim, device=dev), torch.zeros(n, heads, dim, device=dev)) for _ in range(layers)]
     with torch.no_grad():
-        hidden, _ = smol(torch.tensor(ids), torch.arange(n), kv, AttentionContext.contiguous([n]))
+        hidden, _ = smol(torch.tensor(ids, device=dev), torch.arange(n, device=dev), kv,
+                         AttentionContext.contiguous([n], device=dev))
         logits = smol.logits(hidden)
-    return torch.log_softmax(logits[len(prompt) - 1:n - 1].double(), -1)
+    return torch.log_softmax(logits[len(prompt) - 1:n - 1].double(), -1).cpu()
 
 
 def check_against_reference(smol, prompt, out, top=TOP):

@@ -21,6 +21,7 @@ import pytest
 import torch
 
 from conftest import make_llm
+from test_logprobs import teacher_forced
 from ddtree import SamplingParams
 from ddtree.server.app import ENGINE_ERROR_STATUS, build_app
 from ddtree.server.serving import bind_socket, make_server
@@ -175,6 +176,42 @@ def test_n_choices(server):
     assert streamed == texts and finished == {0, 1, 2}
 
 
+def test_logprobs(server, smol):
+    """Completions' and chat's logprobs objects hold the target's own logprobs (one teacher-forced
+    pass), streamed or not."""
+    c, prompt = server.client, PROMPTS[0]
+    out = c.completions.create(model=MODEL, prompt=prompt, max_tokens=N_TOKENS, temperature=0, logprobs=2)
+    ch, ref = out.choices[0], server.ref[prompt]
+    assert ch.text == ref.text
+    lp = ch.logprobs
+    assert "".join(lp.tokens) == ch.text and len(lp.tokens) == len(ref.token_ids)
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:j]) for j in range(len(lp.tokens))]
+    forced = teacher_forced(smol, server.tokenizer.encode(prompt, add_special_tokens=False), ref.token_ids)
+    assert lp.token_logprobs == pytest.approx(forced.gather(1, torch.tensor(ref.token_ids)[:, None])[:, 0].tolist(),
+                                              abs=2e-4)
+    for top, chosen, x in zip(lp.top_logprobs, lp.tokens, lp.token_logprobs):
+        assert len(top) <= 3 and top[chosen] == x and max(top.values()) == x  # greedy: the most likely
+    streamed = list(c.completions.create(model=MODEL, prompt=prompt, max_tokens=N_TOKENS, temperature=0,
+                                         logprobs=2, stream=True))
+    assert sum((x.choices[0].logprobs.tokens for x in streamed if x.choices[0].logprobs), []) == lp.tokens
+    assert sum((x.choices[0].logprobs.text_offset for x in streamed if x.choices[0].logprobs), []) == lp.text_offset
+
+    kw = dict(model=MODEL, messages=CHAT, max_tokens=N_TOKENS, temperature=0, logprobs=True, top_logprobs=2)
+    chat = c.chat.completions.create(**kw)
+    content = chat.choices[0].logprobs.content
+    assert "".join(t.token for t in content) == chat.choices[0].message.content
+    forced = teacher_forced(smol, server.ref_chat.prompt_token_ids, server.ref_chat.token_ids)
+    for t, tok, row in zip(content, server.ref_chat.token_ids, forced):
+        assert t.bytes == list(t.token.encode()) and t.logprob == pytest.approx(float(row[tok]), abs=2e-4)
+        assert [b.logprob for b in t.top_logprobs] == pytest.approx(row.topk(2).values.tolist(), abs=2e-4)
+    streamed = sum((x.choices[0].logprobs.content for x in c.chat.completions.create(stream=True, **kw)
+                    if x.choices and x.choices[0].logprobs), [])
+    assert [t.token for t in streamed] == [t.token for t in content]
+    no_top = c.chat.completions.create(**dict(kw, top_logprobs=None, max_tokens=2)).choices[0].logprobs.content
+    assert len(no_top) == 2 and all(t.top_logprobs == [] for t in no_top)
+    assert c.chat.completions.create(**dict(kw, logprobs=False, top_logprobs=None)).choices[0].logprobs is None
+
+
 def test_stop_string_and_token_ids(server):
     prompt = PROMPTS[0]
     ref = server.ref[prompt]
@@ -261,7 +298,10 @@ BAD = [
     ("completions", {"prompt": "hi", "stream_options": {"include_usage": True}}, "stream_options", None),
     ("completions", {"prompt": "hi", "speculative": {"budget": 99}}, "speculative.budget", None),
     ("completions", {"prompt": "hi", "speculative": {"method": "beam"}}, "speculative", None),
-    ("chat", {"messages": CHAT, "logprobs": True}, "logprobs", None),
+    ("chat", {"messages": CHAT, "top_logprobs": 2}, "top_logprobs", None),
+    ("chat", {"messages": CHAT, "logprobs": True, "top_logprobs": 21}, "top_logprobs", None),
+    ("completions", {"prompt": "hi", "logprobs": -1}, "logprobs", None),
+    ("completions", {"prompt": "hi", "echo": True}, "echo", "unsupported_parameter"),
 ]
 
 

@@ -115,6 +115,7 @@ class OpenAIServer:
         self.tokenizer = copy.deepcopy(llm.tokenizer) if llm.tokenizer is not None else None
         self.shutdown_grace_s = shutdown_grace_s
         self.created = int(time.time())
+        self._token_texts: dict[int, str] = {}
 
     # ---- input -------------------------------------------------------------------------------
     def check_model(self, model: str | None) -> None:
@@ -190,11 +191,15 @@ class OpenAIServer:
                            if kind == "chat" and req.max_completion_tokens is not None else "max_tokens",
                            code="context_length_exceeded")
         top_k = req.top_k if req.top_k is not None and req.top_k > 0 else 0
+        if kind == "chat":
+            logprobs = (req.top_logprobs or 0) if req.logprobs else None
+        else:
+            logprobs = req.logprobs
         return SamplingParams(
             temperature=1.0 if req.temperature is None else float(req.temperature),
             top_p=1.0 if req.top_p is None else float(req.top_p), top_k=top_k, max_tokens=max_tokens,
             stop=req.stop if req.stop else None, stop_token_ids=list(req.stop_token_ids or []),
-            ignore_eos=bool(req.ignore_eos), seed=req.seed)
+            ignore_eos=bool(req.ignore_eos), seed=req.seed, logprobs=logprobs)
 
     def speculative(self, req) -> dict:
         """Per-request {method, budget}: passed to the engine when it takes them; until then only
@@ -212,6 +217,40 @@ class OpenAIServer:
                                     f"{mine!r}: this engine does not take per-request speculative settings yet",
                                param=f"speculative.{key}", code="unsupported_parameter")
         return {}
+
+    # ---- output --------------------------------------------------------------------------------
+    def token_text(self, token: int) -> str:
+        """One token as text (vLLM's ``token_id:N`` without a tokenizer); a token holding part of
+        a UTF-8 character decodes to U+FFFD."""
+        if self.tokenizer is None:
+            return f"token_id:{token}"
+        text = self._token_texts.get(token)
+        if text is None:
+            text = self._token_texts[token] = self.tokenizer.decode([token])
+        return text
+
+    def logprobs_body(self, kind: str, entries, text_offset: int = 0) -> dict | None:
+        """OpenAI's logprobs object for these (token, logprob, most likely) entries: chat's
+        ``{"content": [...]}``, or completions' parallel lists (whose ``top_logprobs`` maps text
+        to logprob and holds the chosen token too, as vLLM's does); ``text_offset``: where the
+        first token's text starts in the completion."""
+        if entries is None:
+            return None
+        if kind == "chat":
+            def item(token, lp):
+                text = self.token_text(token)
+                return {"token": text, "logprob": lp, "bytes": list(text.encode())}
+            return {"content": [dict(item(t, lp), top_logprobs=[item(b, x) for b, x in best])
+                                for t, lp, best in entries], "refusal": None}
+        texts = [self.token_text(t) for t, _, _ in entries]
+        offsets = []
+        for text in texts:
+            offsets.append(text_offset)
+            text_offset += len(text)
+        return {"tokens": texts, "token_logprobs": [lp for _, lp, _ in entries],
+                "top_logprobs": [{self.token_text(t): lp, **{self.token_text(b): x for b, x in best}}
+                                 for t, lp, best in entries],
+                "text_offset": offsets}
 
     # ---- one request -------------------------------------------------------------------------
     async def safe_handle(self, kind: str, req, raw: Request):
@@ -334,12 +373,13 @@ class OpenAIServer:
         created = int(time.time())
         if kind == "chat":
             choices = [{"index": i, "message": {"role": "assistant", "content": results[i].text, "refusal": None},
-                        "logprobs": None, "finish_reason": _reason(results[i].finish_reason)}
+                        "logprobs": self.logprobs_body(kind, results[i].logprobs),
+                        "finish_reason": _reason(results[i].finish_reason)}
                        for i in range(len(ids))]
             body = {"id": rid, "object": "chat.completion", "created": created, "model": self.model_name,
                     "choices": choices, "usage": usage, "system_fingerprint": None}
         else:
-            choices = [{"index": i, "text": results[i].text, "logprobs": None,
+            choices = [{"index": i, "text": results[i].text, "logprobs": self.logprobs_body(kind, results[i].logprobs),
                         "finish_reason": _reason(results[i].finish_reason)} for i in range(len(ids))]
             body = {"id": rid, "object": "text_completion", "created": created, "model": self.model_name,
                     "choices": choices, "usage": usage, "system_fingerprint": None}
@@ -352,6 +392,9 @@ class OpenAIServer:
         obj = "chat.completion.chunk" if kind == "chat" else "text_completion"
         stops = [stops] if isinstance(stops, str) else (stops or [])
         streams = [_Stream(stops) for _ in ids]
+        # logprobs of tokens not sent yet, and the completion text their tokens' texts have covered
+        pending: list[list] = [[] for _ in ids]
+        offsets = [0] * len(ids)
         completion_tokens = 0
 
         def chunk(choices, usage=None):
@@ -362,11 +405,17 @@ class OpenAIServer:
             return _sse(c)
 
         def choice(i, text, finish_reason=None, role=False):
+            logprobs = None
+            if pending[i]:  # sent with the next chunk of this choice (text may still be held back)
+                logprobs = self.logprobs_body(kind, pending[i], offsets[i])
+                if kind != "chat":
+                    offsets[i] += sum(len(t) for t in logprobs["tokens"])
+                pending[i] = []
             if kind == "chat":
                 delta = {"role": "assistant", "content": text, "refusal": None} if role else \
                     ({"content": text} if text or finish_reason is None else {})
-                return {"index": i, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
-            return {"index": i, "text": text, "logprobs": None, "finish_reason": finish_reason}
+                return {"index": i, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
+            return {"index": i, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
 
         def error(message):
             abort_open()
@@ -386,6 +435,7 @@ class OpenAIServer:
                     yield error(ev.error)
                     return
                 finished = ev.finish_reason is not None
+                pending[ev.index] += ev.logprobs or []
                 text = streams[ev.index].delta(ev.text, finished)
                 if text:
                     yield chunk([choice(ev.index, text)])

@@ -36,13 +36,15 @@ class EngineUnavailable(Exception):
 @dataclass
 class Event:
     """Progress of one request: its whole text so far (stop strings cut), output token count,
-    finish reason once finished, or an error message."""
+    finish reason once finished, or an error message; with logprobs, the (token, logprob, most
+    likely [(token, logprob)]) of the output tokens not reported by an earlier event."""
     index: int
     text: str = ""
     num_output_tokens: int = 0
     num_prompt_tokens: int = 0
     finish_reason: str | None = None
     error: str | None = None
+    logprobs: list[tuple[int, float, list[tuple[int, float]]]] | None = None
 
 
 @dataclass
@@ -57,6 +59,7 @@ class _Live:
     seen_steps: int = 0
     seen_tokens: int = 0
     last_token_time: float | None = None
+    sent_logprobs: int = 0  # output tokens whose logprobs an event carried
 
 
 @dataclass
@@ -298,7 +301,13 @@ class AsyncEngine:
 
     def _make_event(self, live: _Live) -> Event:
         seq = live.seq
-        return Event(live.index, seq.text, seq.num_output_tokens, seq.num_prompt_tokens, seq.finish_reason)
+        event = Event(live.index, seq.text, seq.num_output_tokens, seq.num_prompt_tokens, seq.finish_reason)
+        if seq.logprobs is not None and (live.stream or seq.is_finished):
+            start = min(live.sent_logprobs, len(seq.logprobs))  # earlier rounds' tokens are never cut
+            out = seq.output_token_ids
+            event.logprobs = [(out[j], lp, best) for j, (lp, best) in enumerate(seq.logprobs[start:], start)]
+            live.sent_logprobs = len(seq.logprobs)
+        return event
 
     def _publish(self, live: _Live, now: float) -> None:
         seq, m = live.seq, self.metrics

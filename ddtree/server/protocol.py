@@ -12,6 +12,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from ddtree.engine.sampling_params import MAX_LOGPROBS
+
 SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1  # what torch.Generator.manual_seed accepts
 MAX_PROMPTS = 256  # prompts per /v1/completions request
 MAX_CHOICES = 256  # choices (prompts x n) per request
@@ -58,7 +60,8 @@ class _SamplingRequest(_Strict):
 class CompletionRequest(_SamplingRequest):
     prompt: str | list[int] | list[str] | list[list[int]] = Field(
         description="a string, a list of token ids, or a list of either (one choice per prompt)")
-    logprobs: int | None = Field(default=None, description="not supported")
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS,
+                                 description="each token's logprob and this many most likely tokens")
     echo: bool | None = Field(default=False, description="not supported")
     best_of: int | None = Field(default=None, ge=1, description="only equal to n is supported")
     suffix: str | None = Field(default=None, description="not supported")
@@ -78,8 +81,9 @@ class ChatMessage(_Strict):
 class ChatCompletionRequest(_SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
-    logprobs: bool | None = Field(default=False, description="not supported")
-    top_logprobs: int | None = Field(default=None, description="not supported")
+    logprobs: bool | None = Field(default=False, description="each output token's logprob")
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS,
+                                     description="this many most likely tokens per position (needs logprobs)")
     tools: list[dict[str, Any]] | None = Field(default=None, description="not supported")
     response_format: dict[str, Any] | None = Field(default=None, description="only {'type': 'text'}")
 
@@ -121,8 +125,6 @@ def unsupported(req: _SamplingRequest) -> ApiError | None:
     if req.stream_options is not None and not req.stream:
         return err("stream_options", "stream_options is only allowed when stream is true")
     if isinstance(req, CompletionRequest):
-        if req.logprobs is not None:
-            return err("logprobs", "logprobs is not supported")
         if req.echo:
             return err("echo", "echo is not supported")
         n = req.n or 1
@@ -134,8 +136,8 @@ def unsupported(req: _SamplingRequest) -> ApiError | None:
         if req.suffix:
             return err("suffix", "suffix is not supported")
     if isinstance(req, ChatCompletionRequest):
-        if req.logprobs or req.top_logprobs:
-            return err("logprobs", "logprobs is not supported")
+        if req.top_logprobs is not None and not req.logprobs:
+            return ApiError(400, "top_logprobs needs logprobs to be true", param="top_logprobs")
         if req.tools:
             return err("tools", "tools (function calling) are not supported")
         if req.response_format is not None and req.response_format.get("type", "text") != "text":
