@@ -16,6 +16,11 @@ TOP = 3
 
 def teacher_forced(smol, prompt: list[int], output: list[int]) -> torch.Tensor:
     """log_softmax of the target's logits that predicted each output token: [len(output), V]."""
+    return torch.log_softmax(forward_logits(smol, prompt, output).double(), -1)
+
+
+def forward_logits(smol, prompt: list[int], output: list[int]) -> torch.Tensor:
+    """The target's raw logits (one full pass) that predicted each output token, on the CPU."""
     ids = prompt + output
     n = len(ids)
     layers, heads, dim = smol.kv_shape()
@@ -25,7 +30,7 @@ def teacher_forced(smol, prompt: list[int], output: list[int]) -> torch.Tensor:
         hidden, _ = smol(torch.tensor(ids, device=dev), torch.arange(n, device=dev), kv,
                          AttentionContext.contiguous([n], device=dev))
         logits = smol.logits(hidden)
-    return torch.log_softmax(logits[len(prompt) - 1:n - 1].double(), -1).cpu()
+    return logits[len(prompt) - 1:n - 1].cpu()
 
 
 def check_against_reference(smol, prompt, out, top=TOP):

@@ -131,3 +131,42 @@ def test_wrong_acceptance_rule_is_detected(tiny, reference, monkeypatch):
     samples, _ = sample(tiny, "ddtree", seed=2)
     assert goodness_of_fit(samples, exact) < ALPHA
     assert two_sample(samples, ar_samples) < ALPHA
+
+
+PROCESSED = dict(PARAMS, presence_penalty=0.6, frequency_penalty=0.5, repetition_penalty=1.5,
+                 logit_bias={0: 1.0, 4: -0.7})
+
+
+def test_processed_sampling_matches_exact(tiny):
+    """Penalties and logit_bias: DDTree (and AR) samples follow the exact law of sampling each
+    token from the processed, filtered logits of its own prefix (processing written in the test,
+    not the engine's)."""
+    from test_processing import process_naive
+    params = SamplingParams(**PROCESSED)
+    exact = {}
+    for cont in itertools.product(range(tiny.config.vocab_size), repeat=3):
+        ids = PROMPT + list(cont)
+        n, c = len(ids), tiny.config
+        kv = [(torch.zeros(n, c.num_key_value_heads, c.head_dim), torch.zeros(n, c.num_key_value_heads, c.head_dim))
+              for _ in range(c.num_hidden_layers)]
+        with torch.no_grad():
+            logits = tiny.logits(tiny(torch.tensor(ids), torch.arange(n), kv, AttentionContext.contiguous([n]))[0])
+        p = 1.0
+        for j, tok in enumerate(cont):
+            x = process_naive(logits[len(PROMPT) - 1 + j], PROMPT, list(cont[:j]), params, set()).float()
+            dist = filtered_probs(x[None, None], torch.tensor([params.temperature]), torch.tensor([params.top_k]),
+                                  torch.tensor([params.top_p]))[0, 0]
+            p *= float(dist[tok])
+        exact[cont] = p
+    assert abs(sum(exact.values()) - 1) < 1e-4
+    plain = exact_distribution(tiny, PARAMS)
+    assert sum(abs(exact[k] - plain[k]) for k in exact) > 0.2  # the processing matters here
+    for method, seed in (("ar", 4), ("ddtree", 3)):
+        torch.manual_seed(seed)
+        drafter = random_drafter(tiny.config, num_layers=1, block_size=4, num_taps=1, seed=seed)
+        llm = LLM(target=tiny, drafter=drafter if method != "ar" else None, method=method, budget=10,
+                  device="cpu", max_model_len=16, max_num_seqs=N_SAMPLES, kv_cache_gb=0.05)
+        outs = llm.generate([PROMPT] * N_SAMPLES, params)
+        assert goodness_of_fit([tuple(o.token_ids) for o in outs], exact) > ALPHA, method
+        if method == "ddtree":
+            assert max(n for o in outs for n in o.metrics.accepted_lengths) == 3

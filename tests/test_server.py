@@ -212,6 +212,23 @@ def test_logprobs(server, smol):
     assert c.chat.completions.create(**dict(kw, logprobs=False, top_logprobs=None)).choices[0].logprobs is None
 
 
+def test_penalties_bias_and_min_tokens(server, smol):
+    """OpenAI's presence / frequency penalties and logit_bias, vLLM's repetition_penalty and
+    min_tokens: the tokens of a greedy reference that applies them to full target passes."""
+    from test_processing import reference_greedy
+    prompt = server.tokenizer.encode(PROMPTS[0], add_special_tokens=False)
+    bias = {server.ref[PROMPTS[0]].token_ids[0]: -100.0, 13: 2.5}  # not its usual first token
+    out = server.client.completions.create(
+        model=MODEL, prompt=PROMPTS[0], max_tokens=N_TOKENS, temperature=0, presence_penalty=0.4,
+        frequency_penalty=0.6, logit_bias={str(k): v for k, v in bias.items()},
+        extra_body={"repetition_penalty": 1.2, "min_tokens": 4})
+    params = SamplingParams(temperature=0, max_tokens=N_TOKENS, presence_penalty=0.4, frequency_penalty=0.6,
+                            repetition_penalty=1.2, logit_bias=bias, min_tokens=4)
+    want = reference_greedy(smol, prompt, params, {server.tokenizer.eos_token_id})
+    assert out.choices[0].text == server.tokenizer.decode(want, skip_special_tokens=True)
+    assert out.usage.completion_tokens == len(want) and out.choices[0].text != server.ref[PROMPTS[0]].text
+
+
 def test_stop_string_and_token_ids(server):
     prompt = PROMPTS[0]
     ref = server.ref[prompt]
@@ -302,6 +319,14 @@ BAD = [
     ("chat", {"messages": CHAT, "logprobs": True, "top_logprobs": 21}, "top_logprobs", None),
     ("completions", {"prompt": "hi", "logprobs": -1}, "logprobs", None),
     ("completions", {"prompt": "hi", "echo": True}, "echo", "unsupported_parameter"),
+    ("completions", {"prompt": "hi", "presence_penalty": 2.5}, "presence_penalty", None),
+    ("chat", {"messages": CHAT, "frequency_penalty": -3}, "frequency_penalty", None),
+    ("completions", {"prompt": "hi", "repetition_penalty": 0}, "repetition_penalty", None),
+    ("completions", {"prompt": "hi", "logit_bias": {"the": 1}}, "logit_bias", None),
+    ("completions", {"prompt": "hi", "logit_bias": {"-4": 1}}, "logit_bias", None),
+    ("chat", {"messages": CHAT, "logit_bias": {"5": 250}}, "logit_bias", None),
+    ("completions", {"prompt": "hi", "logit_bias": {"99999999": 1}}, "logit_bias", None),
+    ("completions", {"prompt": "hi", "max_tokens": 3, "min_tokens": 4}, "min_tokens", None),
 ]
 
 
@@ -359,6 +384,17 @@ def test_openapi_fuzz_no_5xx(server):
                 # Valid per schema but not per model: only one model name, token ids < vocab size.
                 if "model" in body:
                     body["model"] = MODEL
+                # ... and sampling fields valid together (the schema checks each alone).
+                if type(body.get("min_tokens")) is int:
+                    body["min_tokens"] = min(body["min_tokens"], 2)
+                if type(body.get("n")) is int:
+                    body["n"] = min(body["n"], 2)
+                if "best_of" in body:
+                    body["best_of"] = body.get("n", 1)
+                if body.get("top_logprobs") is not None:
+                    body["logprobs"] = True
+                if isinstance(body.get("logit_bias"), dict):
+                    body["logit_bias"] = {str(i): v for i, v in enumerate(body["logit_bias"].values())}
                 p = body.get("prompt")
                 if isinstance(p, list) and p and isinstance(p[0], int):
                     body["prompt"] = [t % 1000 for t in p]
@@ -366,7 +402,7 @@ def test_openapi_fuzz_no_5xx(server):
                     body["prompt"] = [[t % 1000 for t in x] for x in p]
         response = case.call(base_url=server.url, timeout=60)
         seen.append(response.status_code)
-        if response.status_code == 400 and len(messages) < 8:
+        if response.status_code == 400 and mode == GenerationMode.POSITIVE and len(messages) < 8:
             messages.append(response.json()["error"]["message"][:160])
         assert response.status_code < 500, (case.body, response.text)
         if response.status_code >= 400:

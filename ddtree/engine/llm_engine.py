@@ -97,6 +97,7 @@ class LLMEngine:
         max_lookahead = max(ModelRunner.lookahead_for(m, self.budget_cap, drafter) for m in self._methods())
         self.runner = ModelRunner(target, self.drafter, self.blocks, device, dtype, self.max_model_len,
                                   max_lookahead, config.cuda_graphs, defer_context)
+        self.runner.eos_token_ids = self.eos_token_ids
         self.auto = AutoBudget(auto_candidates(self.budget_cap, self.drafter is not None),
                                lambda n: next((b for b in GRAPH_BUCKETS if b >= n), n))
         self.step_choices: Counter = Counter()  # (method, budget) run for auto requests
@@ -149,6 +150,9 @@ class LLMEngine:
         if not isinstance(prompt_token_ids, list) or len(prompt_token_ids) == 0:
             raise ValueError("prompt is empty")
         vocab = self.target_config.vocab_size
+        for t in params.logit_bias or ():
+            if t >= vocab:
+                raise ValueError(f"logit_bias token id {t} is outside the vocabulary [0, {vocab})")
         for t in prompt_token_ids:
             if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab:
                 raise ValueError(f"prompt token id {t!r} is outside the vocabulary [0, {vocab})")
@@ -354,7 +358,9 @@ class LLMEngine:
             if seq.logprobs is not None:
                 seq.logprobs.append(logprobs[added])
             added += 1
-            if (not p.ignore_eos and tok in self.eos_token_ids) or tok in p.stop_token_ids:
+            # (the first min_tokens tokens cannot be these: their logits were blocked)
+            if seq.num_output_tokens > p.min_tokens and (
+                    (not p.ignore_eos and tok in self.eos_token_ids) or tok in p.stop_token_ids):
                 seq.finish_reason = "stop"
             elif seq.num_output_tokens >= p.max_tokens or len(seq) >= self.max_model_len:
                 seq.finish_reason = "length"
@@ -369,16 +375,22 @@ class LLMEngine:
 
     def _detokenize(self, seq: Sequence) -> None:
         text = seq.text
-        stops = seq.params.stop
-        if stops:
-            hits = [text.find(s) for s in stops if s in text]
-            if hits:
-                cut = min(hits)
+        stops, min_tokens = seq.params.stop, seq.params.min_tokens
+        out = seq.output_token_ids
+        if stops and len(out) > min_tokens:
+            # As vLLM: a stop string counts once it ends past the first min_tokens tokens' text.
+            floor = len(self.tokenizer.decode(out[:min_tokens], skip_special_tokens=True)) if min_tokens else 0
+
+            def first_stop(t: str) -> int | None:
+                hits = [i for s in stops if (i := t.find(s, max(0, floor - len(s) + 1))) >= 0]
+                return min(hits) if hits else None
+
+            cut = first_stop(text)
+            if cut is not None:
                 text = text[:cut]
                 # Drop tokens past the one that completed the stop string.
-                out = seq.output_token_ids
-                for n in range(1, len(out) + 1):
-                    if any(s in self.tokenizer.decode(out[:n], skip_special_tokens=True) for s in stops):
+                for n in range(min_tokens + 1, len(out) + 1):
+                    if first_stop(self.tokenizer.decode(out[:n], skip_special_tokens=True)) is not None:
                         del seq.token_ids[seq.num_prompt_tokens + n:]
                         if seq.logprobs is not None:
                             del seq.logprobs[n:]

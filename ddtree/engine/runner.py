@@ -26,8 +26,8 @@ from ddtree.engine.sequence import CONTEXT_PENDING, Sequence
 from ddtree.kernels import triton_enabled
 from ddtree.models.decoder import DecoderLM
 from ddtree.models.dflash import DFlashDrafter
-from ddtree.tree import (accept_walk, ancestor_mask, build_tree_batched, chain_tree, compaction_moves,
-                         gather_rows, sample_from_logits, with_root)
+from ddtree.tree import (Processing, accept_walk, ancestor_mask, build_tree_batched, chain_tree,
+                         compaction_moves, gather_rows, process_tree_logits, sample_from_logits, with_root)
 from ddtree.tree import positions as node_positions
 
 METHODS = ("ar", "dflash", "ddtree")
@@ -377,6 +377,7 @@ class ModelRunner:
         if isinstance(drafter, DFlashDrafter):
             self.drafter_kv = self._alloc_kv(drafter.kv_shape(), num_slots)
         self.taps = tuple(getattr(drafter, "taps", ()))
+        self.eos_token_ids: set[int] = set()  # blocked by min_tokens (set by the engine)
         # Seed of the Triton sampler (CUDA), advanced on the device by every sampled round (graphs
         # too); drawn from torch's generator so LLM(seed=...) fixes it.
         self.sample_seed = (torch.randint(0, 2**62, (1,), dtype=torch.int64).to(device)
@@ -516,9 +517,11 @@ class ModelRunner:
 
     @staticmethod
     def eager_only(seqs: list[Sequence]) -> bool:
-        """Rounds no graph can run: seeded requests draw from their own generators, and logprobs
-        need the verify pass's logits (the captured rounds sample in the LM head's epilogue)."""
-        return any(s.params.seed is not None or s.params.logprobs is not None for s in seqs)
+        """Rounds no graph can run: seeded requests draw from their own generators; logprobs and
+        logits processing need the verify pass's logits (the captured rounds sample in the LM
+        head's epilogue)."""
+        return any(s.params.seed is not None or s.params.logprobs is not None or s.params.processes_logits
+                   for s in seqs)
 
     def graph_bucket(self, n: int, kind: StepKind, seqs: list[Sequence]) -> int | None:
         if not self.use_graphs or self.eager_only(seqs):
@@ -533,6 +536,8 @@ class ModelRunner:
         as the drafter keeps its state on the device (a host-side drafter would draft from
         tokens the host has not read yet)."""
         if self.drafter is not None and not isinstance(self.drafter, DFlashDrafter):
+            return False
+        if any(s.params.processes_logits for s in seqs):  # penalties count the committed tokens
             return False
         if self.device.type == "cpu":
             return not self.profile_stages
@@ -580,15 +585,30 @@ class ModelRunner:
                     s.generator = torch.Generator(device=self.device).manual_seed(s.params.seed)
             gens = [s.generator for s in seqs]
         top = [s.params.logprobs for s in seqs if s.params.logprobs is not None]
-        for name, fn in zip(STAGES, self.round_stages(kind, inputs, max_keys, state, seqs, gens, bool(top))):
+        processing = self.processing(seqs) if any(s.params.processes_logits for s in seqs) else None
+        for name, fn in zip(STAGES, self.round_stages(kind, inputs, max_keys, state, seqs, gens,
+                                                      bool(top) or processing is not None, processing)):
             with self.timer(name):
                 fn()
         tokens, num_accepted, bonus = state["out"]
         launched = Launched(seqs, kind, pack_outputs(tokens, num_accepted, bonus, state["accepted"][0]), None,
                             num_accepted, bonus, after=after is not None)
         if top:
-            launched.logprobs = self.token_logprobs(state["verified"].logits, state["accepted"], tokens, max(top))
+            launched.logprobs = self.token_logprobs(state.get("raw_logits", state["verified"].logits),
+                                                    state["accepted"], tokens, max(top))
         return launched
+
+    def processing(self, seqs: list[Sequence]) -> Processing:
+        """The committed prefix's counts, bias and limits of a round's requests (neutral rows for
+        requests without processing)."""
+        p = [s.params for s in seqs]
+        return Processing.build(
+            [s.output_token_ids for s in seqs], [s.token_ids[:s.num_prompt_tokens] for s in seqs],
+            [x.logit_bias for x in p], [float(x.repetition_penalty) for x in p],
+            [float(x.frequency_penalty) for x in p], [float(x.presence_penalty) for x in p],
+            [max(0, x.min_tokens - s.num_output_tokens) for s, x in zip(seqs, p)],
+            [sorted(self.eos_token_ids | set(x.stop_token_ids)) for x in p],
+            self.target.config.vocab_size, self.device)
 
     @staticmethod
     def token_logprobs(logits: torch.Tensor, accepted, tokens: torch.Tensor, k: int):
@@ -703,8 +723,10 @@ class ModelRunner:
         return self._graph(kind, bucket).replay_seconds(context, reps)
 
     def round_stages(self, kind: StepKind, inp: StepInputs, max_keys: int, state: dict,
-                     seqs: list[Sequence] | None = None, generators=None, need_logits: bool = False):
-        """The round as six closures over ``state`` (one graph each when profiling stages)."""
+                     seqs: list[Sequence] | None = None, generators=None, need_logits: bool = False,
+                     processing: Processing | None = None):
+        """The round as six closures over ``state`` (one graph each when profiling stages);
+        ``processing``: the verify stage processes the logits (the raw ones stay in state)."""
         def draft():
             state["logprobs"] = self.draft(kind, inp, max_keys, seqs, raw=True)
 
@@ -712,7 +734,12 @@ class ModelRunner:
             state["tree"] = self.build(kind, inp.roots, state["logprobs"])
 
         def verify():
-            state["verified"] = self.verify(kind, inp, state["tree"], max_keys, generators, need_logits)
+            state["verified"] = verified = self.verify(kind, inp, state["tree"], max_keys, generators, need_logits)
+            if processing is not None:
+                tree = state["tree"]
+                state["raw_logits"] = verified.logits
+                state["verified"] = verified._replace(logits=process_tree_logits(
+                    verified.logits, tree.tokens, tree.depths, tree.ancestors, processing))
 
         def accept():
             state["accepted"] = self.accept(kind, inp, state["tree"], state["verified"], generators)

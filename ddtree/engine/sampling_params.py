@@ -11,7 +11,10 @@ class SamplingParams:
     """vLLM-shaped sampling settings. temperature 0 = greedy; top_k 0 = off; top_p 1 = off.
     ``logprobs`` = k: each output token's log-probability under the target and its k most likely
     tokens (0: the token's alone; None: none), from the raw logits, before temperature and
-    filters (vLLM's default)."""
+    filters (vLLM's default). As vLLM's: ``min_tokens`` blocks EOS and ``stop_token_ids`` (and
+    stop strings ending within them) until that many tokens are out; ``logit_bias`` {token id:
+    bias} is added to the logits; then the penalties: ``repetition_penalty`` (1 = off) for prompt
+    and output tokens, ``frequency_penalty`` / ``presence_penalty`` (0 = off) for output tokens."""
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
@@ -21,6 +24,17 @@ class SamplingParams:
     ignore_eos: bool = False
     seed: int | None = None
     logprobs: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] | None = None
+    min_tokens: int = 0
+
+    @property
+    def processes_logits(self) -> bool:
+        """Whether the target's logits are changed before sampling (penalties, bias, min_tokens)."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1
+                    or self.logit_bias or self.min_tokens)
 
     def __post_init__(self):
         self.validate()
@@ -48,3 +62,22 @@ class SamplingParams:
         if self.logprobs is not None and (isinstance(self.logprobs, bool) or not isinstance(self.logprobs, int)
                                           or not 0 <= self.logprobs <= MAX_LOGPROBS):
             raise ValueError(f"logprobs must be an integer in [0, {MAX_LOGPROBS}] or None, got {self.logprobs!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not -2 <= value <= 2:
+                raise ValueError(f"{name} must be a number in [-2, 2], got {value!r}")
+        r = self.repetition_penalty
+        if isinstance(r, bool) or not isinstance(r, (int, float)) or not (math.isfinite(r) and r > 0):
+            raise ValueError(f"repetition_penalty must be a finite number > 0 (1 = off), got {r!r}")
+        if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, dict):
+                raise ValueError(f"logit_bias must be a {{token id: bias}} dict, got {self.logit_bias!r}")
+            for t, b in self.logit_bias.items():
+                if isinstance(t, bool) or not isinstance(t, int) or t < 0:
+                    raise ValueError(f"logit_bias keys must be token ids (integers >= 0), got {t!r}")
+                if isinstance(b, bool) or not isinstance(b, (int, float)) or not -100 <= b <= 100:
+                    raise ValueError(f"logit_bias values must be numbers in [-100, 100], got {b!r} for token {t}")
+        if isinstance(self.min_tokens, bool) or not isinstance(self.min_tokens, int) \
+                or not 0 <= self.min_tokens <= self.max_tokens:
+            raise ValueError(f"min_tokens must be an integer in [0, max_tokens={self.max_tokens}], "
+                             f"got {self.min_tokens!r}")

@@ -33,7 +33,8 @@ log = logging.getLogger("ddtree.server")
 # OpenAI clients would retry a 5xx, repeating the same failure).
 ENGINE_ERROR_STATUS = 422
 UNAVAILABLE_STATUS = 503  # only while the engine is stopped / shutting down
-SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "max_tokens", "stop", "stop_token_ids", "seed", "ignore_eos")
+SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "max_tokens", "stop", "stop_token_ids", "seed", "ignore_eos",
+                   "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "min_tokens")
 ERROR_RESPONSES = {400: {"model": ErrorResponse, "description": "invalid request"},
                    404: {"model": ErrorResponse, "description": "unknown model"},
                    ENGINE_ERROR_STATUS: {"model": ErrorResponse, "description": "the engine failed this request"}}
@@ -195,11 +196,21 @@ class OpenAIServer:
             logprobs = (req.top_logprobs or 0) if req.logprobs else None
         else:
             logprobs = req.logprobs
+        bias = None
+        if req.logit_bias:
+            try:
+                bias = {int(k): v for k, v in req.logit_bias.items()}
+            except ValueError:
+                raise ApiError(400, f"logit_bias keys must be token ids, got {list(req.logit_bias)!r}",
+                               param="logit_bias") from None
         return SamplingParams(
             temperature=1.0 if req.temperature is None else float(req.temperature),
             top_p=1.0 if req.top_p is None else float(req.top_p), top_k=top_k, max_tokens=max_tokens,
             stop=req.stop if req.stop else None, stop_token_ids=list(req.stop_token_ids or []),
-            ignore_eos=bool(req.ignore_eos), seed=req.seed, logprobs=logprobs)
+            ignore_eos=bool(req.ignore_eos), seed=req.seed, logprobs=logprobs,
+            presence_penalty=req.presence_penalty or 0.0, frequency_penalty=req.frequency_penalty or 0.0,
+            repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+            logit_bias=bias, min_tokens=req.min_tokens or 0)
 
     def speculative(self, req) -> dict:
         """Per-request {method, budget}: passed to the engine when it takes them; until then only

@@ -2,8 +2,8 @@
 
 Unknown fields are accepted and ignored (as vLLM does); a few OpenAI features the engine does not
 have are rejected with a 400 naming the field when a client asks for them (see ``unsupported``).
-Extensions beyond the OpenAI API: ``top_k``, ``stop_token_ids``, ``ignore_eos`` and
-``speculative: {"method", "budget"}``.
+Extensions beyond the OpenAI API (vLLM's names): ``top_k``, ``stop_token_ids``, ``ignore_eos``,
+``repetition_penalty``, ``min_tokens``, and ``speculative: {"method", "budget"}``.
 """
 from __future__ import annotations
 
@@ -51,9 +51,11 @@ class _SamplingRequest(_Strict):
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     speculative: Speculative | None = Field(default=None, description="extension: {method, budget} for this request")
-    presence_penalty: float | None = Field(default=None, description="only 0 is supported")
-    frequency_penalty: float | None = Field(default=None, description="only 0 is supported")
-    logit_bias: dict[str, float] | None = Field(default=None, description="not supported")
+    presence_penalty: float | None = Field(default=None, ge=-2, le=2)
+    frequency_penalty: float | None = Field(default=None, ge=-2, le=2)
+    repetition_penalty: float | None = Field(default=None, gt=0, description="extension (vLLM's); 1 = off")
+    logit_bias: dict[str, float] | None = Field(default=None, description="{token id: bias in [-100, 100]}")
+    min_tokens: int | None = Field(default=None, ge=0, description="extension (vLLM's): no EOS / stop before")
     user: str | None = None
 
 
@@ -116,12 +118,6 @@ def unsupported(req: _SamplingRequest) -> ApiError | None:
     def err(param, message):
         return ApiError(400, message, param=param, code="unsupported_parameter")
 
-    if req.presence_penalty:
-        return err("presence_penalty", "presence_penalty is not supported (only 0)")
-    if req.frequency_penalty:
-        return err("frequency_penalty", "frequency_penalty is not supported (only 0)")
-    if req.logit_bias:
-        return err("logit_bias", "logit_bias is not supported")
     if req.stream_options is not None and not req.stream:
         return err("stream_options", "stream_options is only allowed when stream is true")
     if isinstance(req, CompletionRequest):

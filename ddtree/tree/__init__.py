@@ -15,6 +15,7 @@ from .build import (
     topk_per_depth,
 )
 from .layout import ancestor_mask, positions, with_root
+from .processing import Processing, process_tree_logits
 
 __all__ = [
     "effective_budget",
@@ -30,4 +31,6 @@ __all__ = [
     "accept_walk",
     "gather_rows",
     "compaction_moves",
+    "Processing",
+    "process_tree_logits",
 ]

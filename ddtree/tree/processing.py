@@ -1,0 +1,87 @@
+"""Logits processing (min_tokens, logit_bias, repetition / frequency / presence penalties) for
+every node of a verified tree, so that node i's distribution is exactly what plain decoding
+would sample after the prefix that ends at node i: the committed tokens plus node i's path.
+
+The order is vLLM's: min_tokens and logit_bias, then the penalties. Penalties count output
+tokens; each node adds the tokens on its own path below the root (the root, the last committed
+token, is already counted). Only the tokens in a tree can have counts that differ from the
+committed ones, so those are recomputed per (node, tree token) pair instead of building
+[N, T, V] counts.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class Processing:
+    """Per-request state of the committed prefix, on the logits' device."""
+    counts: torch.Tensor        # [N, V] float: occurrences of each token among the output tokens
+    seen: torch.Tensor          # [N, V] bool: the token is in the prompt or the output
+    bias: torch.Tensor          # [N, V] float: logit_bias
+    repetition: torch.Tensor    # [N] float (1 = off)
+    frequency: torch.Tensor     # [N] float
+    presence: torch.Tensor      # [N] float
+    min_left: torch.Tensor      # [N] long: output tokens still needed before a stop token may come
+    stop_tokens: torch.Tensor   # [N, V] bool: EOS and stop_token_ids (blocked while min_left > depth)
+
+    @classmethod
+    def build(cls, outputs: list[list[int]], prompts: list[list[int]], biases: list[dict[int, float] | None],
+              repetition: list[float], frequency: list[float], presence: list[float], min_left: list[int],
+              stop_tokens: list[list[int]], vocab: int, device) -> "Processing":
+        N = len(outputs)
+        counts = torch.zeros(N, vocab)
+        seen = torch.zeros(N, vocab, dtype=torch.bool)
+        bias = torch.zeros(N, vocab)
+        stops = torch.zeros(N, vocab, dtype=torch.bool)
+        for n in range(N):
+            out = torch.tensor(outputs[n], dtype=torch.long)
+            counts[n].index_add_(0, out, torch.ones(len(out)))
+            seen[n, out] = True
+            seen[n, torch.tensor(prompts[n], dtype=torch.long)] = True
+            if biases[n]:
+                bias[n, torch.tensor(list(biases[n]), dtype=torch.long)] = torch.tensor(list(biases[n].values()))
+            stops[n, torch.tensor(stop_tokens[n], dtype=torch.long)] = True
+        f = dict(dtype=torch.float32)
+        return cls(counts.to(device), seen.to(device), bias.to(device), torch.tensor(repetition, **f).to(device),
+                   torch.tensor(frequency, **f).to(device), torch.tensor(presence, **f).to(device),
+                   torch.tensor(min_left, dtype=torch.long).to(device), stops.to(device))
+
+
+def _penalize(x, counts, seen, repetition, frequency, presence):
+    """vLLM's penalties: repetition divides positive / multiplies negative logits of seen tokens;
+    frequency and presence subtract per occurrence / once for output tokens."""
+    x = torch.where(seen, torch.where(x > 0, x / repetition, x * repetition), x)
+    return x - frequency * counts - presence * (counts > 0).to(x.dtype)
+
+
+def process_tree_logits(logits: torch.Tensor, tokens: torch.Tensor, depths: torch.Tensor,
+                        ancestors: torch.Tensor | None, p: Processing) -> torch.Tensor:
+    """logits [N, T, V] (raw target logits at every node, root first) -> processed logits.
+    tokens / depths [N, T]; ancestors [N, T, T] bool (node j is node i or an ancestor; None: the
+    root alone)."""
+    N, T, V = logits.shape
+    x = logits.float() + p.bias[:, None, :]
+    blocked = (depths < p.min_left[:, None])[:, :, None] & p.stop_tokens[:, None, :]
+    x = x.masked_fill(blocked, float("-inf"))
+    if ancestors is None or T == 1:
+        pre_path = None
+    else:
+        path = ancestors.clone()
+        path[:, :, 0] = False  # the root is committed: already in counts / seen
+        # (node i, ancestor j) pairs: token tokens[j] occurs on i's path this many times
+        same = (tokens[:, :, None] == tokens[:, None, :]).float()       # [N, T(k), T(j)]
+        on_path = torch.bmm(path.float(), same)                           # [N, T(i), T(j)]
+        idx = tokens[:, None, :].expand(N, T, T)                          # token of pair (i, j)
+        pre_path = x.gather(2, idx)                                       # before penalties
+    r, f, pr = (v[:, None, None] for v in (p.repetition, p.frequency, p.presence))
+    out = _penalize(x, p.counts[:, None, :], p.seen[:, None, :], r, f, pr)
+    if pre_path is not None:
+        # on_path[i, j] counts token tokens[j] on i's path whether or not j is on it, so every
+        # pair naming the same token writes the same value (scatter with duplicates is safe)
+        total = p.counts.gather(1, tokens)[:, None, :] + on_path          # [N, T(i), T(j)]
+        seen = p.seen.gather(1, tokens)[:, None, :] | (on_path > 0)
+        out = out.scatter(2, idx, _penalize(pre_path, total, seen, r, f, pr))
+    return out
