@@ -254,3 +254,22 @@ def test_logprobs_beside_graph_rounds(models):
         assert torch.allclose(got, ref.gather(1, torch.tensor(outs[i].token_ids)[:, None])[:, 0], atol=1e-3)
         assert [[t for t, _ in best] for _, best in outs[i].logprobs] == ref.topk(2).indices.tolist()
     assert outs[0].logprobs is None
+
+
+def test_processed_requests_beside_graph_rounds(models):
+    """Penalties and logit_bias on the GPU: eager rounds for those requests in a batch that
+    otherwise replays graphs; their greedy tokens are a float64 reference's on full target
+    passes, the others' are the graph run's."""
+    from test_processing import reference_greedy
+    prompts = _prompts(4)
+    plain, _ = _run(models, "ddtree", 32, graphs=True, overlap=True, prompts=prompts, batched=True)
+    llm = LLM(target=models[0], drafter=models[1], method="ddtree", budget=32, device="cuda", dtype=torch.float32,
+              max_model_len=1024, max_num_seqs=8, kv_cache_gb=0.5, max_budget=32)
+    processed = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, presence_penalty=0.8,
+                               frequency_penalty=0.5, repetition_penalty=1.4, logit_bias={7: 3.0})
+    params = [processed if i % 2 else SamplingParams(temperature=0, max_tokens=64, ignore_eos=True) for i in range(4)]
+    outs = llm.generate(prompts, params)
+    for i in (0, 2):
+        assert outs[i].token_ids == plain[i]
+    for i in (1, 3):
+        assert outs[i].token_ids == reference_greedy(models[0], prompts[i], processed, set())
