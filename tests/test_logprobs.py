@@ -86,3 +86,19 @@ def test_plain_and_chain_logprobs_are_the_targets(smol, tokenizer, prompts, meth
 def test_bad_logprobs_rejected(bad):
     with pytest.raises(ValueError, match="logprobs"):
         SamplingParams(logprobs=bad)
+
+
+def test_prompt_logprobs_are_the_targets(smol, tokenizer, prompts):
+    """Prompt tokens' logprobs (from the prefill, here in chunks of 16 tokens beside other
+    prompts) are the target's own; the first prompt token has none."""
+    llm = make_llm(smol, tokenizer, method="ddtree", budget=8, drafter=SHIPPED, max_num_batched_tokens=16)
+    params = [SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=2), SamplingParams(temperature=0, max_tokens=2)]
+    outs = llm.generate([prompts[1], prompts[2]], params)
+    assert outs[1].prompt_logprobs is None
+    p = prompts[1]
+    got = outs[0].prompt_logprobs
+    assert len(got) == len(p) - 1 and len(p) > 16
+    ref = teacher_forced(smol, p[:1], p[1:])
+    for j, (lp, best) in enumerate(got):
+        assert lp == pytest.approx(float(ref[j, p[j + 1]]), abs=2e-4), j
+        assert [t for t, _ in best] == ref[j].topk(2).indices.tolist(), j

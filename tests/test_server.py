@@ -212,6 +212,30 @@ def test_logprobs(server, smol):
     assert c.chat.completions.create(**dict(kw, logprobs=False, top_logprobs=None)).choices[0].logprobs is None
 
 
+def test_echo_with_prompt_logprobs(server, smol):
+    """echo: the text starts with the prompt; with logprobs, its tokens come first (the first
+    without a logprob), each the target's own; streamed the same."""
+    c, prompt = server.client, PROMPTS[1]
+    ids = server.tokenizer.encode(prompt, add_special_tokens=False)
+    ref = server.ref[prompt]
+    out = c.completions.create(model=MODEL, prompt=prompt, max_tokens=N_TOKENS, temperature=0, echo=True, logprobs=1)
+    ch = out.choices[0]
+    assert ch.text == prompt + ref.text
+    lp = ch.logprobs
+    assert len(lp.tokens) == len(ids) + len(ref.token_ids) and "".join(lp.tokens) == ch.text
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    forced = teacher_forced(smol, ids[:1], ids[1:] + ref.token_ids)
+    want = forced.gather(1, torch.tensor(ids[1:] + ref.token_ids)[:, None])[:, 0].tolist()
+    assert lp.token_logprobs[1:] == pytest.approx(want, abs=2e-4)
+    assert lp.text_offset[len(ids)] == len(prompt) and out.usage.prompt_tokens == len(ids)
+    streamed = list(c.completions.create(model=MODEL, prompt=prompt, max_tokens=N_TOKENS, temperature=0,
+                                         echo=True, logprobs=1, stream=True))
+    assert "".join(x.choices[0].text for x in streamed) == ch.text
+    assert sum((x.choices[0].logprobs.tokens for x in streamed if x.choices[0].logprobs), []) == lp.tokens
+    plain = c.completions.create(model=MODEL, prompt=[ids], max_tokens=2, temperature=0, echo=True)
+    assert plain.choices[0].text.startswith(prompt) and plain.choices[0].logprobs is None
+
+
 def test_penalties_bias_and_min_tokens(server, smol):
     """OpenAI's presence / frequency penalties and logit_bias, vLLM's repetition_penalty and
     min_tokens: the tokens of a greedy reference that applies them to full target passes."""
@@ -318,7 +342,6 @@ BAD = [
     ("chat", {"messages": CHAT, "top_logprobs": 2}, "top_logprobs", None),
     ("chat", {"messages": CHAT, "logprobs": True, "top_logprobs": 21}, "top_logprobs", None),
     ("completions", {"prompt": "hi", "logprobs": -1}, "logprobs", None),
-    ("completions", {"prompt": "hi", "echo": True}, "echo", "unsupported_parameter"),
     ("completions", {"prompt": "hi", "presence_penalty": 2.5}, "presence_penalty", None),
     ("chat", {"messages": CHAT, "frequency_penalty": -3}, "frequency_penalty", None),
     ("completions", {"prompt": "hi", "repetition_penalty": 0}, "repetition_penalty", None),

@@ -32,6 +32,8 @@ class RequestOutput:
     metrics: SequenceMetrics
     # params.logprobs set: per output token (its logprob, [(token, logprob)] of the most likely)
     logprobs: list[tuple[float, list[tuple[int, float]]]] | None = None
+    # params.prompt_logprobs set: the same for prompt tokens 1.. (the first has none)
+    prompt_logprobs: list[tuple[float, list[tuple[int, float]]]] | None = None
 
 
 @dataclass
@@ -401,4 +403,5 @@ class LLMEngine:
     def output(self, seq: Sequence) -> RequestOutput:
         return RequestOutput(seq.request_id, seq.prompt, seq.token_ids[:seq.num_prompt_tokens], seq.text,
                              seq.output_token_ids, seq.is_finished, seq.finish_reason, seq.metrics,
-                             None if seq.logprobs is None else list(seq.logprobs))
+                             None if seq.logprobs is None else list(seq.logprobs),
+                             None if seq.prompt_logprobs is None else list(seq.prompt_logprobs))

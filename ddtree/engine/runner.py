@@ -438,7 +438,8 @@ class ModelRunner:
         """Run the target over uncached prompt tokens (never the last one: it is the first root)."""
         tokens = next((b for b in PREFILL_BUCKETS if b >= sum(chunks)), None)
         width = next((b for b in PREFILL_SEQ_BUCKETS if b >= len(seqs)), None)
-        if self.use_graphs and tokens is not None and width is not None:
+        wants_logits = any(s.prompt_logprobs is not None for s in seqs)
+        if self.use_graphs and tokens is not None and width is not None and not wants_logits:
             graph = self.prefill_graph(tokens, width)
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
@@ -458,9 +459,27 @@ class ModelRunner:
                                      self.blocks.block_size)
         positions = self._tensor(pos)
         with self.timer("prefill"):
-            _, taps = self.target(self._tensor(ids), positions, self.target_kv, ctx, self.taps)
+            hidden, taps = self.target(self._tensor(ids), positions, self.target_kv, ctx, self.taps)
             self.store_prompt_context(taps, positions, ctx.slot_mapping)
+        if wants_logits:
+            self.record_prompt_logprobs(seqs, chunks, hidden)
         self._prefilled(seqs, chunks)
+
+    def record_prompt_logprobs(self, seqs: list[Sequence], chunks: list[int], hidden: torch.Tensor) -> None:
+        """Prompt tokens' raw logprobs from a prefill chunk: the row of position p predicts the
+        prompt token at p + 1 (the prefill never runs the last prompt token, the first root)."""
+        row = 0
+        for seq, n in zip(seqs, chunks):
+            a, k = seq.num_cached, seq.params.prompt_logprobs
+            if seq.prompt_logprobs is not None:
+                logp = torch.log_softmax(self.target.logits(hidden[row:row + n]).float(), -1)
+                nxt = torch.tensor(seq.token_ids[a + 1:a + n + 1], device=logp.device)
+                chosen = logp.gather(1, nxt[:, None])[:, 0].tolist()
+                top_lp, top_ids = logp.topk(k, -1)
+                for j, (lp, ids, lps) in enumerate(zip(chosen, top_ids.tolist(), top_lp.tolist())):
+                    if a + j < len(seq.prompt_logprobs):  # a recompute also prefills output tokens
+                        seq.prompt_logprobs[a + j] = (lp, list(zip(ids, lps)))
+            row += n
 
     def settle_prefill_spans(self, wait: bool = True) -> None:
         """Add the finished graph prefills' GPU time to ``timer.totals["prefill"]`` (all of them

@@ -11,7 +11,8 @@ class SamplingParams:
     """vLLM-shaped sampling settings. temperature 0 = greedy; top_k 0 = off; top_p 1 = off.
     ``logprobs`` = k: each output token's log-probability under the target and its k most likely
     tokens (0: the token's alone; None: none), from the raw logits, before temperature and
-    filters (vLLM's default). As vLLM's: ``min_tokens`` blocks EOS and ``stop_token_ids`` (and
+    filters (vLLM's default); ``prompt_logprobs`` = k: the same for every prompt token after the
+    first (computed by the prefill). As vLLM's: ``min_tokens`` blocks EOS and ``stop_token_ids`` (and
     stop strings ending within them) until that many tokens are out; ``logit_bias`` {token id:
     bias} is added to the logits; then the penalties: ``repetition_penalty`` (1 = off) for prompt
     and output tokens, ``frequency_penalty`` / ``presence_penalty`` (0 = off) for output tokens."""
@@ -24,6 +25,7 @@ class SamplingParams:
     ignore_eos: bool = False
     seed: int | None = None
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
@@ -59,9 +61,10 @@ class SamplingParams:
             raise ValueError(f"stop_token_ids must be a list of token ids, got {self.stop_token_ids!r}")
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
             raise ValueError(f"seed must be an integer, got {self.seed!r}")
-        if self.logprobs is not None and (isinstance(self.logprobs, bool) or not isinstance(self.logprobs, int)
-                                          or not 0 <= self.logprobs <= MAX_LOGPROBS):
-            raise ValueError(f"logprobs must be an integer in [0, {MAX_LOGPROBS}] or None, got {self.logprobs!r}")
+        for name in ("logprobs", "prompt_logprobs"):
+            k = getattr(self, name)
+            if k is not None and (isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= MAX_LOGPROBS):
+                raise ValueError(f"{name} must be an integer in [0, {MAX_LOGPROBS}] or None, got {k!r}")
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not -2 <= value <= 2:

@@ -63,6 +63,10 @@ class Sequence:
         # of the params.logprobs most likely tokens).
         self.logprobs: list[tuple[float, list[tuple[int, float]]]] | None = \
             [] if params.logprobs is not None else None
+        # The same for prompt tokens 1.. (params.prompt_logprobs), filled by the prefill by position
+        # (a preempted sequence's recompute overwrites them).
+        self.prompt_logprobs: list[tuple[float, list[tuple[int, float]]] | None] | None = \
+            [None] * (len(prompt_token_ids) - 1) if params.prompt_logprobs is not None else None
 
     @property
     def text(self) -> str:

@@ -192,10 +192,13 @@ class OpenAIServer:
                            if kind == "chat" and req.max_completion_tokens is not None else "max_tokens",
                            code="context_length_exceeded")
         top_k = req.top_k if req.top_k is not None and req.top_k > 0 else 0
+        prompt_logprobs = None
         if kind == "chat":
             logprobs = (req.top_logprobs or 0) if req.logprobs else None
         else:
             logprobs = req.logprobs
+            if req.echo:  # the echoed prompt's tokens get logprobs too
+                prompt_logprobs = logprobs
         bias = None
         if req.logit_bias:
             try:
@@ -207,7 +210,7 @@ class OpenAIServer:
             temperature=1.0 if req.temperature is None else float(req.temperature),
             top_p=1.0 if req.top_p is None else float(req.top_p), top_k=top_k, max_tokens=max_tokens,
             stop=req.stop if req.stop else None, stop_token_ids=list(req.stop_token_ids or []),
-            ignore_eos=bool(req.ignore_eos), seed=req.seed, logprobs=logprobs,
+            ignore_eos=bool(req.ignore_eos), seed=req.seed, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
             presence_penalty=req.presence_penalty or 0.0, frequency_penalty=req.frequency_penalty or 0.0,
             repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
             logit_bias=bias, min_tokens=req.min_tokens or 0)
@@ -253,13 +256,15 @@ class OpenAIServer:
                 return {"token": text, "logprob": lp, "bytes": list(text.encode())}
             return {"content": [dict(item(t, lp), top_logprobs=[item(b, x) for b, x in best])
                                 for t, lp, best in entries], "refusal": None}
+        # (an echoed prompt's first token has no logprob: None in both lists, as OpenAI's)
         texts = [self.token_text(t) for t, _, _ in entries]
         offsets = []
         for text in texts:
             offsets.append(text_offset)
             text_offset += len(text)
         return {"tokens": texts, "token_logprobs": [lp for _, lp, _ in entries],
-                "top_logprobs": [{self.token_text(t): lp, **{self.token_text(b): x for b, x in best}}
+                "top_logprobs": [None if lp is None else
+                                 {self.token_text(t): lp, **{self.token_text(b): x for b, x in best}}
                                  for t, lp, best in entries],
                 "text_offset": offsets}
 
@@ -335,6 +340,10 @@ class OpenAIServer:
             raise
 
         prompt_tokens = sum(len(t) for _, t in prompts)  # each prompt once, however many choices
+        echo = None
+        if kind == "completion" and req.echo:
+            echo = [text if text is not None else (self.tokenizer.decode(tokens) if self.tokenizer else "")
+                    for text, tokens, _ in choices]
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             open_ids = set(range(len(ids)))
@@ -345,12 +354,13 @@ class OpenAIServer:
                 open_ids.clear()
 
             gen = self._stream(kind, rid, ids, open_ids, abort_open, sink, req.stop, prompt_tokens,
-                               include_usage, endpoint)
+                               include_usage, endpoint, echo)
             return _AbortingStreamingResponse(gen, abort_open, media_type="text/event-stream",
                                               headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        return await self._collect(kind, rid, ids, sink, prompt_tokens, raw, endpoint)
+        return await self._collect(kind, rid, ids, sink, prompt_tokens, raw, endpoint, echo)
 
-    async def _collect(self, kind, rid, ids, sink: asyncio.Queue, prompt_tokens, raw: Request, endpoint):
+    async def _collect(self, kind, rid, ids, sink: asyncio.Queue, prompt_tokens, raw: Request, endpoint,
+                       echo: list[str] | None = None):
         """Non-streaming: wait for every choice; abort them all if the client goes away."""
         results: dict[int, Event] = {}
         watch = asyncio.ensure_future(_wait_disconnect(raw))
@@ -390,14 +400,19 @@ class OpenAIServer:
             body = {"id": rid, "object": "chat.completion", "created": created, "model": self.model_name,
                     "choices": choices, "usage": usage, "system_fingerprint": None}
         else:
-            choices = [{"index": i, "text": results[i].text, "logprobs": self.logprobs_body(kind, results[i].logprobs),
-                        "finish_reason": _reason(results[i].finish_reason)} for i in range(len(ids))]
+            choices = []
+            for i in range(len(ids)):
+                ev = results[i]
+                entries = ev.logprobs if ev.prompt_logprobs is None else ev.prompt_logprobs + (ev.logprobs or [])
+                choices.append({"index": i, "text": (echo[i] if echo else "") + ev.text,
+                                "logprobs": self.logprobs_body(kind, entries),
+                                "finish_reason": _reason(ev.finish_reason)})
             body = {"id": rid, "object": "text_completion", "created": created, "model": self.model_name,
                     "choices": choices, "usage": usage, "system_fingerprint": None}
         return JSONResponse(body)
 
     async def _stream(self, kind, rid, ids, open_ids: set, abort_open, sink: asyncio.Queue, stops, prompt_tokens,
-                      include_usage, endpoint):
+                      include_usage, endpoint, echo: list[str] | None = None):
         """SSE chunks as the OpenAI API sends them; aborts what is unfinished if the client leaves."""
         created = int(time.time())
         obj = "chat.completion.chunk" if kind == "chat" else "text_completion"
@@ -406,6 +421,7 @@ class OpenAIServer:
         # logprobs of tokens not sent yet, and the completion text their tokens' texts have covered
         pending: list[list] = [[] for _ in ids]
         offsets = [0] * len(ids)
+        unechoed = list(echo) if echo else [None] * len(ids)
         completion_tokens = 0
 
         def chunk(choices, usage=None):
@@ -416,6 +432,8 @@ class OpenAIServer:
             return _sse(c)
 
         def choice(i, text, finish_reason=None, role=False):
+            if unechoed[i] is not None:  # the choice's first chunk starts with the echoed prompt
+                text, unechoed[i] = unechoed[i] + text, None
             logprobs = None
             if pending[i]:  # sent with the next chunk of this choice (text may still be held back)
                 logprobs = self.logprobs_body(kind, pending[i], offsets[i])
@@ -446,7 +464,7 @@ class OpenAIServer:
                     yield error(ev.error)
                     return
                 finished = ev.finish_reason is not None
-                pending[ev.index] += ev.logprobs or []
+                pending[ev.index] += (ev.prompt_logprobs or []) + (ev.logprobs or [])
                 text = streams[ev.index].delta(ev.text, finished)
                 if text:
                     yield chunk([choice(ev.index, text)])

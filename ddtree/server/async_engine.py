@@ -45,6 +45,9 @@ class Event:
     finish_reason: str | None = None
     error: str | None = None
     logprobs: list[tuple[int, float, list[tuple[int, float]]]] | None = None
+    # prompt_logprobs asked for: every prompt token's (token, logprob, most likely), None for the
+    # first token's logprob and list; in the request's first event only
+    prompt_logprobs: list[tuple[int, float | None, list[tuple[int, float]] | None]] | None = None
 
 
 @dataclass
@@ -60,6 +63,7 @@ class _Live:
     seen_tokens: int = 0
     last_token_time: float | None = None
     sent_logprobs: int = 0  # output tokens whose logprobs an event carried
+    sent_prompt_logprobs: bool = False
 
 
 @dataclass
@@ -307,6 +311,11 @@ class AsyncEngine:
             out = seq.output_token_ids
             event.logprobs = [(out[j], lp, best) for j, (lp, best) in enumerate(seq.logprobs[start:], start)]
             live.sent_logprobs = len(seq.logprobs)
+        if seq.prompt_logprobs is not None and not live.sent_prompt_logprobs and (live.stream or seq.is_finished):
+            prompt = seq.token_ids[:seq.num_prompt_tokens]
+            event.prompt_logprobs = [(prompt[0], None, None)] + [
+                (t, *(entry or (None, None))) for t, entry in zip(prompt[1:], seq.prompt_logprobs)]
+            live.sent_prompt_logprobs = True
         return event
 
     def _publish(self, live: _Live, now: float) -> None:

@@ -64,7 +64,7 @@ class CompletionRequest(_SamplingRequest):
         description="a string, a list of token ids, or a list of either (one choice per prompt)")
     logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS,
                                  description="each token's logprob and this many most likely tokens")
-    echo: bool | None = Field(default=False, description="not supported")
+    echo: bool | None = Field(default=False, description="prepend the prompt (with logprobs: its tokens' too)")
     best_of: int | None = Field(default=None, ge=1, description="only equal to n is supported")
     suffix: str | None = Field(default=None, description="not supported")
 
@@ -121,8 +121,6 @@ def unsupported(req: _SamplingRequest) -> ApiError | None:
     if req.stream_options is not None and not req.stream:
         return err("stream_options", "stream_options is only allowed when stream is true")
     if isinstance(req, CompletionRequest):
-        if req.echo:
-            return err("echo", "echo is not supported")
         n = req.n or 1
         if req.best_of is not None and req.best_of < n:
             return ApiError(400, f"best_of ({req.best_of}) must be at least n ({n})", param="best_of")
