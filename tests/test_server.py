@@ -234,6 +234,18 @@ def test_echo_with_prompt_logprobs(server, smol):
     assert sum((x.choices[0].logprobs.tokens for x in streamed if x.choices[0].logprobs), []) == lp.tokens
     plain = c.completions.create(model=MODEL, prompt=[ids], max_tokens=2, temperature=0, echo=True)
     assert plain.choices[0].text.startswith(prompt) and plain.choices[0].logprobs is None
+    # lm-eval's local-completions loglikelihood request: token ids, context + continuation, the
+    # continuation's logprobs read from [ctxlen:-1], greedy if each is its position's maximum.
+    context, continuation = ids[:3], ids[3:]
+    body = {"model": MODEL, "prompt": [context + continuation, ids[:2] + continuation], "temperature": 0,
+            "max_tokens": 1, "logprobs": 1, "seed": 1234, "echo": True}
+    choices = httpx.post(f"{server.url}/v1/completions", json=body, timeout=60).json()["choices"]
+    for choice, ctx in zip(sorted(choices, key=lambda x: x["index"]), (context, ids[:2])):
+        got = choice["logprobs"]["token_logprobs"][len(ctx):-1]
+        forced = teacher_forced(smol, ctx, continuation)
+        assert sum(got) == pytest.approx(float(forced.gather(1, torch.tensor(continuation)[:, None]).sum()), abs=1e-3)
+        greedy = all(x == max(top.values()) for x, top in zip(got, choice["logprobs"]["top_logprobs"][len(ctx):-1]))
+        assert greedy == all(int(row.argmax()) == t for row, t in zip(forced, continuation))
 
 
 def test_penalties_bias_and_min_tokens(server, smol):
