@@ -618,8 +618,10 @@ class ModelRunner:
         return launched
 
     def processing(self, seqs: list[Sequence]) -> Processing:
-        """The committed prefix's counts, bias and limits of a round's requests (neutral rows for
-        requests without processing)."""
+        """The committed prefix's counts, bias and limits of the round's requests that process
+        their logits (``Processing.rows``: their rows in the batch)."""
+        rows = [i for i, s in enumerate(seqs) if s.params.processes_logits]
+        seqs = [seqs[i] for i in rows]
         p = [s.params for s in seqs]
         return Processing.build(
             [s.output_token_ids for s in seqs], [s.token_ids[:s.num_prompt_tokens] for s in seqs],
@@ -627,7 +629,7 @@ class ModelRunner:
             [float(x.frequency_penalty) for x in p], [float(x.presence_penalty) for x in p],
             [max(0, x.min_tokens - s.num_output_tokens) for s, x in zip(seqs, p)],
             [sorted(self.eos_token_ids | set(x.stop_token_ids)) for x in p],
-            self.target.config.vocab_size, self.device)
+            self.target.config.vocab_size, self.device, rows)
 
     @staticmethod
     def token_logprobs(logits: torch.Tensor, accepted, tokens: torch.Tensor, k: int):
@@ -754,11 +756,12 @@ class ModelRunner:
 
         def verify():
             state["verified"] = verified = self.verify(kind, inp, state["tree"], max_keys, generators, need_logits)
-            if processing is not None:
-                tree = state["tree"]
-                state["raw_logits"] = verified.logits
-                state["verified"] = verified._replace(logits=process_tree_logits(
-                    verified.logits, tree.tokens, tree.depths, tree.ancestors, processing))
+            if processing is not None:  # (a new tensor: the raw logits stay for logprobs)
+                tree, raw, rows = state["tree"], verified.logits, processing.rows
+                ancestors = tree.ancestors[rows] if tree.ancestors is not None else None
+                state["raw_logits"] = raw
+                state["verified"] = verified._replace(logits=raw.index_copy(0, rows, process_tree_logits(
+                    raw[rows], tree.tokens[rows], tree.depths[rows], ancestors, processing)))
 
         def accept():
             state["accepted"] = self.accept(kind, inp, state["tree"], state["verified"], generators)

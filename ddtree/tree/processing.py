@@ -17,7 +17,8 @@ import torch
 
 @dataclass
 class Processing:
-    """Per-request state of the committed prefix, on the logits' device."""
+    """Per-request state of the committed prefix, on the logits' device, for the batch rows
+    ``rows`` (the requests that process their logits)."""
     counts: torch.Tensor        # [N, V] float: occurrences of each token among the output tokens
     seen: torch.Tensor          # [N, V] bool: the token is in the prompt or the output
     bias: torch.Tensor          # [N, V] float: logit_bias
@@ -26,11 +27,12 @@ class Processing:
     presence: torch.Tensor      # [N] float
     min_left: torch.Tensor      # [N] long: output tokens still needed before a stop token may come
     stop_tokens: torch.Tensor   # [N, V] bool: EOS and stop_token_ids (blocked while min_left > depth)
+    rows: torch.Tensor          # [N] long
 
     @classmethod
     def build(cls, outputs: list[list[int]], prompts: list[list[int]], biases: list[dict[int, float] | None],
               repetition: list[float], frequency: list[float], presence: list[float], min_left: list[int],
-              stop_tokens: list[list[int]], vocab: int, device) -> "Processing":
+              stop_tokens: list[list[int]], vocab: int, device, rows: list[int] | None = None) -> "Processing":
         N = len(outputs)
         counts = torch.zeros(N, vocab)
         seen = torch.zeros(N, vocab, dtype=torch.bool)
@@ -47,7 +49,8 @@ class Processing:
         f = dict(dtype=torch.float32)
         return cls(counts.to(device), seen.to(device), bias.to(device), torch.tensor(repetition, **f).to(device),
                    torch.tensor(frequency, **f).to(device), torch.tensor(presence, **f).to(device),
-                   torch.tensor(min_left, dtype=torch.long).to(device), stops.to(device))
+                   torch.tensor(min_left, dtype=torch.long).to(device), stops.to(device),
+                   torch.tensor(range(N) if rows is None else rows, dtype=torch.long).to(device))
 
 
 def _penalize(x, counts, seen, repetition, frequency, presence):
