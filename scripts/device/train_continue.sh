@@ -53,7 +53,8 @@
 # CONCURRENCY=1 BENCH_ARGS=--stop-at-eos) instead of the CUDA tests: 1,559 device seconds. Its passes
 # ran slower (49-52 k tok/s) and GEN_MINUTES=2.5 stopped both at 34,816 of the 38,153 prompts, leaving
 # 8.0 training minutes; GEN_MINUTES=2.8 would cover them at that rate (and train ~0.6 minutes less).
-# Phase 11 (planned, 2026-12-04, eighth session, no device lent): a new prompts file, the 38,153
+# Phase 11 (planned, 2026-12-04, eighth session, no device lent; `bash scripts/device/stage.sh` makes
+# every staged file below on a fresh checkout, 2026-12-05): a new prompts file, the 38,153
 # prompts plus 5,087 code prompts from permissively licensed packages' wheels (43,240, md5
 # 45c2d3a5c67b674ce7387a64cbce207a; 13.6 MB gzipped, .stage/tp.gz.00/.01 of 6.8 MB, which still fit
 # beside two GGUF parts; the phase-10 files are kept in .stage/phase10/):
