@@ -248,6 +248,27 @@ def test_echo_with_prompt_logprobs(server, smol):
         assert greedy == all(int(row.argmax()) == t for row, t in zip(forced, continuation))
 
 
+def test_tokenizer_endpoints(server):
+    """vLLM's /tokenize, /detokenize and /tokenizer_info, as lm-eval's remote tokenizer calls them."""
+    tok, url = server.tokenizer, server.url
+    info = httpx.get(f"{url}/tokenizer_info").json()
+    assert info["eos_token"] == tok.eos_token and info["chat_template"] == tok.chat_template
+    r = httpx.post(f"{url}/tokenize", json={"prompt": PROMPTS[1], "add_special_tokens": False}).json()
+    assert r["tokens"] == tok.encode(PROMPTS[1], add_special_tokens=False) and r["count"] == len(r["tokens"])
+    assert r["max_model_len"] == MAX_LEN
+    assert httpx.post(f"{url}/detokenize", json={"tokens": r["tokens"]}).json()["prompt"] == PROMPTS[1]
+    chat = httpx.post(f"{url}/tokenize", json={"model": MODEL, "messages": CHAT}).json()
+    assert chat["tokens"] == server.ref_chat.prompt_token_ids
+    for path, body, param in [("/tokenize", {"prompt": "hi", "messages": CHAT}, "prompt"),
+                              ("/tokenize", {}, "prompt"), ("/tokenize", {"messages": []}, "messages"),
+                              ("/detokenize", {"tokens": [-1, 5]}, "tokens"),
+                              ("/detokenize", {"tokens": "hi"}, "tokens")]:
+        r = httpx.post(url + path, json=body)
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, (path, body, r.text)
+    r = httpx.post(f"{url}/tokenize", json={"model": "gpt-17", "prompt": "hi"})
+    assert r.status_code == 404
+
+
 def test_penalties_bias_and_min_tokens(server, smol):
     """OpenAI's presence / frequency penalties and logit_bias, vLLM's repetition_penalty and
     min_tokens: the tokens of a greedy reference that applies them to full target passes."""

@@ -24,7 +24,8 @@ from ddtree.engine.sampling_params import SamplingParams
 from ddtree.server.async_engine import AsyncEngine, EngineError, EngineUnavailable, Event
 from ddtree.server.metrics import ServerMetrics
 from ddtree.server.protocol import (MAX_CHOICES, MAX_PROMPTS, ApiError, ChatCompletionRequest, CompletionRequest,
-                                    ErrorResponse, unsupported, validation_error)
+                                    DetokenizeRequest, ErrorResponse, TokenizeRequest, unsupported,
+                                    validation_error)
 
 log = logging.getLogger("ddtree.server")
 
@@ -153,7 +154,7 @@ class OpenAIServer:
                 out.append((None, list(item)))
         return out
 
-    def encode_chat(self, req: ChatCompletionRequest) -> list[int]:
+    def encode_chat(self, req: ChatCompletionRequest, add_generation_prompt: bool = True) -> list[int]:
         if self.tokenizer is None:
             raise ApiError(400, "this server has no tokenizer and no chat template", param="messages")
         messages = []
@@ -166,7 +167,8 @@ class OpenAIServer:
                                param="messages")
             messages.append({"role": "system" if m.role == "developer" else m.role, "content": content})
         try:
-            ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+            ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
+                                                     tokenize=True)
         except Exception as e:  # noqa: BLE001 - a template may reject a role order, say
             raise ApiError(400, f"the chat template rejected these messages: {e}", param="messages") from e
         if isinstance(ids, dict) or hasattr(ids, "keys"):
@@ -570,6 +572,56 @@ def build_app(llm, served_model_name: str | None = None, shutdown_grace_s: float
     async def chat_completions(body: ChatCompletionRequest, raw: Request):
         """OpenAI chat completions (streaming with stream=true)."""
         return await server.safe_handle("chat", body, raw)
+
+    # vLLM's tokenizer endpoints (lm-eval's local-completions uses them when /tokenizer_info answers)
+    def tokenizer_or_400(model):
+        server.check_model(model)
+        if server.tokenizer is None:
+            raise ApiError(400, "this server has no tokenizer")
+        return server.tokenizer
+
+    @app.post("/tokenize", responses=ERROR_RESPONSES)
+    async def tokenize(body: TokenizeRequest):
+        """Token ids of a prompt or of chat messages (through the chat template)."""
+        try:
+            tok = tokenizer_or_400(body.model)
+            if (body.prompt is None) == (body.messages is None):
+                raise ApiError(400, "give either prompt or messages", param="prompt")
+            if body.messages is not None:
+                if not body.messages:
+                    raise ApiError(400, "messages is empty", param="messages")
+                chat = ChatCompletionRequest(messages=body.messages)
+                ids = server.encode_chat(chat, add_generation_prompt=body.add_generation_prompt is not False)
+            else:
+                ids = tok.encode(body.prompt, add_special_tokens=body.add_special_tokens is not False)
+        except ApiError as e:
+            return _error_response(e)
+        except Exception as e:  # noqa: BLE001 - e.g. a lone surrogate
+            return _error_response(ApiError(400, f"cannot tokenize: {type(e).__name__}: {e}", param="prompt"))
+        return {"tokens": list(ids), "count": len(ids), "max_model_len": server.max_model_len}
+
+    @app.post("/detokenize", responses=ERROR_RESPONSES)
+    async def detokenize(body: DetokenizeRequest):
+        """The text of token ids."""
+        try:
+            tok = tokenizer_or_400(body.model)
+            vocab = llm.engine.target_config.vocab_size
+            bad = [t for t in body.tokens if not 0 <= t < vocab]
+            if bad:
+                raise ApiError(400, f"token ids outside the vocabulary [0, {vocab}): {bad[:8]}", param="tokens")
+        except ApiError as e:
+            return _error_response(e)
+        return {"prompt": tok.decode(body.tokens)}
+
+    @app.get("/tokenizer_info")
+    async def tokenizer_info():
+        """The tokenizer's special tokens and chat template (as vLLM's endpoint)."""
+        tok = server.tokenizer
+        if tok is None:
+            return _error_response(ApiError(404, "this server has no tokenizer", type="not_found_error"))
+        return {"tokenizer_class": type(tok).__name__, "eos_token": tok.eos_token, "bos_token": tok.bos_token,
+                "pad_token": tok.pad_token, "unk_token": tok.unk_token,
+                "chat_template": getattr(tok, "chat_template", None), "model_max_length": server.max_model_len}
 
     @app.get("/v1/models")
     async def models():

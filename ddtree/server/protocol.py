@@ -90,6 +90,20 @@ class ChatCompletionRequest(_SamplingRequest):
     response_format: dict[str, Any] | None = Field(default=None, description="only {'type': 'text'}")
 
 
+class TokenizeRequest(_Strict):
+    """vLLM's /tokenize: a prompt, or chat messages through the chat template."""
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool | None = Field(default=True, description="prompt only (the chat template adds its own)")
+    add_generation_prompt: bool | None = Field(default=True, description="messages only")
+
+
+class DetokenizeRequest(_Strict):
+    model: str | None = None
+    tokens: list[int]
+
+
 class ErrorInfo(BaseModel):
     message: str
     type: str
