@@ -539,8 +539,7 @@ class ModelRunner:
         """Rounds no graph can run: seeded requests draw from their own generators; logprobs and
         logits processing need the verify pass's logits (the captured rounds sample in the LM
         head's epilogue)."""
-        return any(s.params.seed is not None or s.params.logprobs is not None or s.params.processes_logits
-                   for s in seqs)
+        return any(s.eager_only for s in seqs)
 
     def graph_bucket(self, n: int, kind: StepKind, seqs: list[Sequence]) -> int | None:
         if not self.use_graphs or self.eager_only(seqs):
@@ -556,7 +555,7 @@ class ModelRunner:
         tokens the host has not read yet)."""
         if self.drafter is not None and not isinstance(self.drafter, DFlashDrafter):
             return False
-        if any(s.params.processes_logits for s in seqs):  # penalties count the committed tokens
+        if any(s.processes_logits for s in seqs):  # penalties count the committed tokens
             return False
         if self.device.type == "cpu":
             return not self.profile_stages
@@ -604,7 +603,7 @@ class ModelRunner:
                     s.generator = torch.Generator(device=self.device).manual_seed(s.params.seed)
             gens = [s.generator for s in seqs]
         top = [s.params.logprobs for s in seqs if s.params.logprobs is not None]
-        processing = self.processing(seqs) if any(s.params.processes_logits for s in seqs) else None
+        processing = self.processing(seqs) if any(s.processes_logits for s in seqs) else None
         for name, fn in zip(STAGES, self.round_stages(kind, inputs, max_keys, state, seqs, gens,
                                                       bool(top) or processing is not None, processing)):
             with self.timer(name):
@@ -620,7 +619,7 @@ class ModelRunner:
     def processing(self, seqs: list[Sequence]) -> Processing:
         """The committed prefix's counts, bias and limits of the round's requests that process
         their logits (``Processing.rows``: their rows in the batch)."""
-        rows = [i for i, s in enumerate(seqs) if s.params.processes_logits]
+        rows = [i for i, s in enumerate(seqs) if s.processes_logits]
         seqs = [seqs[i] for i in rows]
         p = [s.params for s in seqs]
         return Processing.build(

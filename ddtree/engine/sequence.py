@@ -59,6 +59,10 @@ class Sequence:
         self.decode_fn = None  # token ids -> text; set by the engine when it has a tokenizer
         self.metrics = SequenceMetrics()
         self.generator: torch.Generator | None = None  # made on the model's device at first use
+        # Read by every round (ModelRunner.eager_only), so worked out once: penalties / bias /
+        # min_tokens change the logits; with a seed or logprobs too, no CUDA graph can run it.
+        self.processes_logits = params.processes_logits
+        self.eager_only = params.seed is not None or params.logprobs is not None or self.processes_logits
         # Per output token, when params.logprobs is set: (its log-probability, [(token, logprob)]
         # of the params.logprobs most likely tokens).
         self.logprobs: list[tuple[float, list[tuple[int, float]]]] | None = \
