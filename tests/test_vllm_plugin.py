@@ -78,14 +78,16 @@ def paths():
 
 @pytest.fixture(scope="module")
 def plain(paths):
-    return run_engine({"target": paths[0], "spec": None, "jobs": ["greedy", "prefix"], "subset": SUBSET})
+    return run_engine({"target": paths[0], "spec": None, "jobs": ["greedy", "prefix", "processed"],
+                       "subset": SUBSET})
 
 
 @pytest.fixture(scope="module")
 def ddtree_run(paths):
     spec = {"method": "ddtree", "model": paths[1], "budget": BUDGET}
     return run_engine({"target": paths[0], "spec": spec,
-                       "jobs": ["greedy", "prefix", "top_k_1", "sampled", "sampled", "refusals"],
+                       "jobs": ["greedy", "prefix", "top_k_1", "sampled", "sampled", "processed",
+                                "refusals"],
                        "subset": SUBSET})
 
 
@@ -114,6 +116,16 @@ def test_sampling_path(plain, ddtree_run):
     assert first != plain["greedy"][:SUBSET], "T=0.8 sampling produced exactly the greedy output"
 
 
+def test_processed_requests_equal_vllm_without_speculation(plain, ddtree_run):
+    # Penalties, logit_bias and min_tokens go through vLLM's own sampler without speculation and
+    # through the walk's per-node processing with DDTree: greedy (and top_k=1 sampling) must agree.
+    greedy, top_k_1 = plain["processed"]
+    assert greedy == top_k_1
+    assert greedy != plain["greedy"][:SUBSET], "the processing changed no output"
+    assert all(len(t) >= 10 for t in greedy)  # min_tokens
+    assert ddtree_run["processed"] == [greedy, top_k_1]
+
+
 def test_spec_decode_metrics_count_tree_steps(ddtree_run):
     m = ddtree_run["metrics"]
     assert m["vllm:spec_decode_num_drafts"] > 0
@@ -125,7 +137,7 @@ def test_spec_decode_metrics_count_tree_steps(ddtree_run):
 
 def test_unsupported_request_features_are_refused(ddtree_run):
     refusals = ddtree_run["refusals"]
-    for name in ("presence_penalty", "logprobs", "structured_outputs", "min_tokens"):
+    for name in ("min_p", "logprobs", "structured_outputs"):
         assert name in refusals[name], refusals[name]
         assert "ddtree" in refusals[name]
 
@@ -195,8 +207,11 @@ def test_unsupported_vllm_version_is_named(monkeypatch):
 def test_unsupported_params_names_each_feature():
     from vllm import SamplingParams
     assert unsupported_params(SamplingParams(temperature=0.7, top_p=0.9, top_k=20, seed=1)) == []
-    bad = unsupported_params(SamplingParams(repetition_penalty=1.1, logit_bias={1: 2.0}))
-    assert [b.split("=")[0] for b in bad] == ["repetition_penalty", "logit_bias"]
+    processed = SamplingParams(repetition_penalty=1.1, presence_penalty=0.5, frequency_penalty=0.2,
+                               logit_bias={1: 2.0}, min_tokens=3)
+    assert unsupported_params(processed) == []
+    bad = unsupported_params(SamplingParams(min_p=0.1, logprobs=2))
+    assert [b.split("=")[0] for b in bad] == ["min_p", "logprobs"]
 
 
 # ---- the CUDA path's wiring (no GPU here: what can be checked without one) -------------------
@@ -323,9 +338,15 @@ def _child(job: dict) -> dict:
             params = SamplingParams(temperature=0.8, top_p=0.95, seed=7, max_tokens=MAX_TOKENS)
             run = [list(x) for x in ids(params, subset)]
             result.setdefault(name, []).append(run)
+        elif name == "processed":
+            bias = {tok.encode(" the", add_special_tokens=False)[0]: -4.0,
+                    tok.encode(" I", add_special_tokens=False)[0]: 2.0}
+            kinds = [dict(temperature=0), dict(temperature=0.8, top_k=1, seed=3)]
+            result[name] = [[list(x) for x in ids(SamplingParams(
+                max_tokens=MAX_TOKENS, min_tokens=10, repetition_penalty=1.4, presence_penalty=0.6,
+                frequency_penalty=0.5, logit_bias=bias, **kind), subset)] for kind in kinds]
         elif name == "refusals":
-            bad = {"presence_penalty": dict(presence_penalty=0.5), "logprobs": dict(logprobs=1),
-                   "min_tokens": dict(min_tokens=2),
+            bad = {"min_p": dict(min_p=0.1), "logprobs": dict(logprobs=1),
                    "structured_outputs": dict(structured_outputs=StructuredOutputsParams(choice=["a", "b"]))}
             result[name] = {}
             for key, kwargs in bad.items():

@@ -1,12 +1,16 @@
 """Per-request refusals: sampling features the tree acceptance walk does not implement.
 
-The walk samples from softmax(logits / T) filtered by top-k / top-p (or takes the argmax), which is
-exactly vLLM's rule for requests without the features below. Those change the target distribution
-(penalties, biases, masks, grammars) or ask for outputs the walk does not produce (logprobs), so
+The walk samples from softmax(logits / T) filtered by top-k / top-p (or takes the argmax) after
+vLLM's min_tokens, logit_bias and presence / frequency / repetition penalties, each applied to a
+node's logits for that node's own prefix (runner.py, ddtree.tree.processing): exactly vLLM's rule
+for requests without the features below. Those change the target distribution in ways the walk
+does not reproduce (min_p, masks, grammars) or ask for outputs it does not produce (logprobs), so
 such requests are refused up front with a message naming the parameter, instead of being served
 with a silently different distribution.
 """
 from __future__ import annotations
+
+import contextvars
 
 from ddtree.vllm.config import settings_of
 
@@ -14,12 +18,7 @@ from ddtree.vllm.config import settings_of
 def unsupported_params(params) -> list[str]:
     """Names (with values) of the set SamplingParams fields DDTree refuses."""
     checks = [
-        ("presence_penalty", params.presence_penalty not in (None, 0.0)),
-        ("frequency_penalty", params.frequency_penalty not in (None, 0.0)),
-        ("repetition_penalty", params.repetition_penalty not in (None, 1.0)),
         ("min_p", bool(params.min_p)),
-        ("min_tokens", bool(params.min_tokens)),
-        ("logit_bias", bool(params.logit_bias)),
         ("allowed_token_ids", params.allowed_token_ids is not None),
         ("bad_words", bool(params.bad_words)),
         ("logprobs", params.logprobs is not None),
@@ -31,8 +30,14 @@ def unsupported_params(params) -> list[str]:
     return [f"{name}={getattr(params, name)!r}" for name, bad in checks if bad]
 
 
+# Set while a DDTree engine validates a request: vLLM refuses logit_bias with any speculative
+# method (its rejection sampler does not apply it to draft positions); DDTree's walk does.
+_validating_for_ddtree = contextvars.ContextVar("ddtree_validating", default=False)
+
+
 def install_request_hook() -> None:
-    """Wrap vLLM's request validation so DDTree engines refuse unsupported sampling features."""
+    """Wrap vLLM's request validation so DDTree engines refuse unsupported sampling features and
+    accept logit_bias."""
     from vllm.exceptions import VLLMValidationError
     from vllm.sampling_params import SamplingParams
     from vllm.v1.engine.input_processor import InputProcessor
@@ -40,17 +45,27 @@ def install_request_hook() -> None:
     original = InputProcessor._validate_params
     if getattr(original, "_ddtree", False):
         return
+    spec_check = SamplingParams._validate_spec_decode
+
+    def _validate_spec_decode(self, speculative_config):
+        if not _validating_for_ddtree.get():  # min_p, its other refusal, is refused below
+            spec_check(self, speculative_config)
 
     def _validate_params(self, params, supported_tasks):
-        result = original(self, params, supported_tasks)
-        if isinstance(params, SamplingParams) and settings_of(self.vllm_config) is not None:
-            bad = unsupported_params(params)
-            if bad:
-                raise VLLMValidationError(
-                    f"speculative method 'ddtree' does not support {', '.join(bad)}; "
-                    "send the request without it or serve without DDTree",
-                    parameter=bad[0].split("=")[0])
-        return result
+        if not isinstance(params, SamplingParams) or settings_of(self.vllm_config) is None:
+            return original(self, params, supported_tasks)
+        bad = unsupported_params(params)
+        if bad:
+            raise VLLMValidationError(
+                f"speculative method 'ddtree' does not support {', '.join(bad)}; "
+                "send the request without it or serve without DDTree",
+                parameter=bad[0].split("=")[0])
+        token = _validating_for_ddtree.set(True)
+        try:
+            return original(self, params, supported_tasks)
+        finally:
+            _validating_for_ddtree.reset(token)
 
     _validate_params._ddtree = True
+    SamplingParams._validate_spec_decode = _validate_spec_decode
     InputProcessor._validate_params = _validate_params

@@ -27,7 +27,8 @@ from vllm.v1.outputs import SamplerOutput
 from vllm.v1.worker.cpu_model_runner import CPUModelRunner, _torch_cuda_wrapper
 from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
-from ddtree.tree import ancestor_mask, compaction_moves, sample_from_logits, with_root
+from ddtree.tree import (Processing, ancestor_mask, compaction_moves, process_tree_logits, sample_from_logits,
+                         with_root)
 from ddtree.vllm.attention import StepMasks, active_masks, cache_layout, move_tokens, move_tokens_logical
 from ddtree.vllm.config import settings_of
 from ddtree.vllm.proposer import DDTreeProposer
@@ -183,11 +184,15 @@ class DDTreeRunnerMixin:
         paths = [[0] for _ in range(num_reqs)]
         committed: list[list[int]] = [[] for _ in range(num_reqs)]
         active = list(range(num_reqs))
+        processed = {r: p for r in range(num_reqs) if (p := self._processing_params(r)) is not None}
         while active:
             rows = torch.tensor([firsts[r] + paths[r][-1] for r in active], device=device)
             idx = torch.tensor(active, device=device)
+            node_logits = logits_of(rows)
+            if processed:
+                node_logits = self._process(node_logits, active, paths, tokens, processed)
             samples = sample_from_logits(
-                logits_of(rows)[:, None, :], temperature[idx], top_k[idx], top_p[idx],
+                node_logits[:, None, :], temperature[idx], top_k[idx], top_p[idx],
                 [meta.generators.get(r) for r in active], all_greedy=all_greedy)[:, 0].tolist()
             walking = []
             for r, sample in zip(active, samples):
@@ -206,6 +211,37 @@ class DDTreeRunnerMixin:
         plan.paths = {r: paths[r] for r in plan.trees}
         self._compact_kv(plan)
         return SamplerOutput(sampled_token_ids=out.to(logits.device), logprobs_tensors=None)
+
+    def _processing_params(self, r: int):
+        """The SamplingParams of batch row r if its logits need processing (penalties,
+        logit_bias, min_tokens), else None."""
+        params = self.requests[self.input_batch.req_ids[r]].sampling_params
+        if params is None or not (params.presence_penalty or params.frequency_penalty or params.logit_bias
+                                  or params.min_tokens or params.repetition_penalty not in (None, 1.0)):
+            return None
+        return params
+
+    def _process(self, logits, active, paths, tokens, processed):
+        """vLLM's logits processing of each visited node for its own prefix: the request's output
+        tokens (the root, last of them, included) plus the tree tokens on the node's path, which
+        the walk commits only if the node is accepted (ddtree.tree.processing)."""
+        picks = [i for i, r in enumerate(active) if r in processed]
+        if not picks:
+            return logits
+        reqs = [active[i] for i in picks]
+        params = [processed[r] for r in reqs]
+        outputs = [list(self.input_batch.req_output_token_ids[r]) + [tokens[r][n] for n in paths[r][1:]]
+                   for r in reqs]
+        prompts = [self.requests[self.input_batch.req_ids[r]].prompt_token_ids or [] for r in reqs]
+        p = Processing.build(
+            outputs, prompts, [sp.logit_bias for sp in params], [sp.repetition_penalty for sp in params],
+            [sp.frequency_penalty for sp in params], [sp.presence_penalty for sp in params],
+            [(sp.min_tokens or 0) - len(out) for sp, out in zip(params, outputs)],
+            [sorted(sp.all_stop_token_ids) for sp in params], logits.shape[-1], logits.device)
+        at = torch.tensor(picks, device=logits.device)
+        depth0 = torch.zeros(len(picks), 1, dtype=torch.long, device=logits.device)
+        out = process_tree_logits(logits[at][:, None, :], depth0, depth0, None, p)[:, 0]
+        return logits.float().index_copy(0, at, out)
 
     @staticmethod
     def _children(tree: RequestTree | None) -> dict[tuple[int, int], int]:
