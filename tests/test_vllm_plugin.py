@@ -78,7 +78,7 @@ def paths():
 
 @pytest.fixture(scope="module")
 def plain(paths):
-    return run_engine({"target": paths[0], "spec": None, "jobs": ["greedy", "prefix", "processed"],
+    return run_engine({"target": paths[0], "spec": None, "jobs": ["greedy", "prefix", "processed", "logprobs"],
                        "subset": SUBSET})
 
 
@@ -87,7 +87,7 @@ def ddtree_run(paths):
     spec = {"method": "ddtree", "model": paths[1], "budget": BUDGET}
     return run_engine({"target": paths[0], "spec": spec,
                        "jobs": ["greedy", "prefix", "top_k_1", "sampled", "sampled", "processed",
-                                "refusals"],
+                                "logprobs", "refusals"],
                        "subset": SUBSET})
 
 
@@ -126,6 +126,17 @@ def test_processed_requests_equal_vllm_without_speculation(plain, ddtree_run):
     assert ddtree_run["processed"] == [greedy, top_k_1]
 
 
+def test_logprobs_equal_vllm_without_speculation(plain, ddtree_run):
+    # Each output token's raw logprob and its top 3, read from the verify pass's logits of the node
+    # the walk drew it at (the bonus token included), against vLLM's sampler one token at a time.
+    for mine, theirs in zip(ddtree_run["logprobs"], plain["logprobs"]):
+        assert [t for t, _ in mine] == [t for t, _ in theirs]
+        for (_, a), (_, b) in zip(mine, theirs):
+            assert [k for k, _, _ in a] == [k for k, _, _ in b]  # token ids with ranks, in order
+            assert all(abs(x - y) < 2e-3 for (_, x, _), (_, y, _) in zip(a, b)), (a, b)
+            assert [r for _, _, r in a] == [r for _, _, r in b]
+
+
 def test_spec_decode_metrics_count_tree_steps(ddtree_run):
     m = ddtree_run["metrics"]
     assert m["vllm:spec_decode_num_drafts"] > 0
@@ -137,7 +148,7 @@ def test_spec_decode_metrics_count_tree_steps(ddtree_run):
 
 def test_unsupported_request_features_are_refused(ddtree_run):
     refusals = ddtree_run["refusals"]
-    for name in ("min_p", "logprobs", "structured_outputs"):
+    for name in ("min_p", "prompt_logprobs", "structured_outputs"):
         assert name in refusals[name], refusals[name]
         assert "ddtree" in refusals[name]
 
@@ -210,8 +221,9 @@ def test_unsupported_params_names_each_feature():
     processed = SamplingParams(repetition_penalty=1.1, presence_penalty=0.5, frequency_penalty=0.2,
                                logit_bias={1: 2.0}, min_tokens=3)
     assert unsupported_params(processed) == []
-    bad = unsupported_params(SamplingParams(min_p=0.1, logprobs=2))
-    assert [b.split("=")[0] for b in bad] == ["min_p", "logprobs"]
+    assert unsupported_params(SamplingParams(logprobs=2)) == []
+    bad = unsupported_params(SamplingParams(min_p=0.1, prompt_logprobs=2))
+    assert [b.split("=")[0] for b in bad] == ["min_p", "prompt_logprobs"]
 
 
 # ---- the CUDA path's wiring (no GPU here: what can be checked without one) -------------------
@@ -345,8 +357,13 @@ def _child(job: dict) -> dict:
             result[name] = [[list(x) for x in ids(SamplingParams(
                 max_tokens=MAX_TOKENS, min_tokens=10, repetition_penalty=1.4, presence_penalty=0.6,
                 frequency_penalty=0.5, logit_bias=bias, **kind), subset)] for kind in kinds]
+        elif name == "logprobs":
+            outs = llm.generate(prompts[:subset], SamplingParams(temperature=0, max_tokens=MAX_TOKENS, logprobs=3),
+                                use_tqdm=False)
+            result[name] = [[(t, sorted([k, lp.logprob, lp.rank] for k, lp in d.items()))
+                             for t, d in zip(o.outputs[0].token_ids, o.outputs[0].logprobs)] for o in outs]
         elif name == "refusals":
-            bad = {"min_p": dict(min_p=0.1), "logprobs": dict(logprobs=1),
+            bad = {"min_p": dict(min_p=0.1), "prompt_logprobs": dict(prompt_logprobs=1),
                    "structured_outputs": dict(structured_outputs=StructuredOutputsParams(choice=["a", "b"]))}
             result[name] = {}
             for key, kwargs in bad.items():

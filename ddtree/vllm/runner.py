@@ -23,7 +23,7 @@ import torch
 
 from vllm.forward_context import get_forward_context
 from vllm.model_executor.layers.attention import Attention
-from vllm.v1.outputs import SamplerOutput
+from vllm.v1.outputs import LogprobsTensors, SamplerOutput
 from vllm.v1.worker.cpu_model_runner import CPUModelRunner, _torch_cuda_wrapper
 from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
@@ -69,6 +69,12 @@ class DDTreeRunnerMixin:
             self.drafter = DDTreeProposer(vllm_config, self.device, self, settings["budget"])
         self._plan: StepPlan | None = None
         self._target_layers: dict[str, Attention] | None = None
+        # Logprobs come from the raw logits of the nodes the walk visits; the processed modes
+        # would need the walk's per-node sampling distributions.
+        mode = vllm_config.model_config.logprobs_mode
+        if mode not in ("raw_logprobs", "raw_logits"):
+            raise ValueError(f"speculative method 'ddtree' supports logprobs_mode 'raw_logprobs' or "
+                             f"'raw_logits', not {mode!r}")
 
     def _proposer_setup(self):
         return contextlib.nullcontext()
@@ -185,10 +191,14 @@ class DDTreeRunnerMixin:
         committed: list[list[int]] = [[] for _ in range(num_reqs)]
         active = list(range(num_reqs))
         processed = {r: p for r in range(num_reqs) if (p := self._processing_params(r)) is not None}
+        visited_logits: list[list[torch.Tensor]] = [[] for _ in range(num_reqs)]  # raw, for logprobs
         while active:
             rows = torch.tensor([firsts[r] + paths[r][-1] for r in active], device=device)
             idx = torch.tensor(active, device=device)
             node_logits = logits_of(rows)
+            if meta.max_num_logprobs is not None:
+                for i, r in enumerate(active):
+                    visited_logits[r].append(node_logits[i])
             if processed:
                 node_logits = self._process(node_logits, active, paths, tokens, processed)
             samples = sample_from_logits(
@@ -210,7 +220,27 @@ class DDTreeRunnerMixin:
             out[r, :len(toks)] = torch.tensor(toks, dtype=torch.int32)
         plan.paths = {r: paths[r] for r in plan.trees}
         self._compact_kv(plan)
-        return SamplerOutput(sampled_token_ids=out.to(logits.device), logprobs_tensors=None)
+        logprobs = None
+        if meta.max_num_logprobs is not None:
+            logprobs = self._logprobs(visited_logits, committed, width, meta.max_num_logprobs)
+        return SamplerOutput(sampled_token_ids=out.to(logits.device), logprobs_tensors=logprobs)
+
+    def _logprobs(self, visited_logits, committed, width, num_logprobs) -> LogprobsTensors:
+        """vLLM's logprobs tensors for the committed tokens, laid out like the rejection
+        sampler's ([requests x width] rows, placeholder rows filtered out by vLLM): committed token
+        j of a request was drawn at the j-th node its walk visited, so its row is that node's raw
+        logits."""
+        first = next(row for rows in visited_logits for row in rows)
+        flat = torch.zeros(len(committed) * width, first.shape[-1], dtype=torch.float32, device=first.device)
+        token_ids = torch.zeros(len(committed) * width, dtype=torch.int64, device=first.device)
+        for r, toks in enumerate(committed):
+            flat[r * width:r * width + len(toks)] = torch.stack(visited_logits[r]).float()
+            token_ids[r * width:r * width + len(toks)] = torch.tensor(toks)
+        if self.sampler.logprobs_mode == "raw_logprobs":
+            flat = self.sampler.compute_logprobs(flat)
+        if num_logprobs == -1:  # the full vocabulary, unsorted (vLLM's layout for -1)
+            return LogprobsTensors(torch.empty(0), flat, torch.empty(0))
+        return self.sampler.gather_logprobs(flat, num_logprobs, token_ids)
 
     def _processing_params(self, r: int):
         """The SamplingParams of batch row r if its logits need processing (penalties,
