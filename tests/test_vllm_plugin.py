@@ -194,9 +194,10 @@ def test_translate_budget_and_errors():
         translate({"method": "ddtree", "model": "/d", "budget": 8, "num_speculative_tokens": 4})
 
 
-def test_hybrid_and_parallel_targets_are_refused():
+def test_hybrid_and_parallel_targets_and_processed_logprobs_are_refused():
     class Model:
         model, is_hybrid, has_inner_state, is_attention_free, is_multimodal_model = "m", True, False, False, False
+        logprobs_mode = "raw_logprobs"
 
     class Parallel:
         pipeline_parallel_size = tensor_parallel_size = 1
@@ -205,6 +206,11 @@ def test_hybrid_and_parallel_targets_are_refused():
         check_target(Model(), Parallel())
     Model.is_hybrid, Parallel.tensor_parallel_size = False, 2
     with pytest.raises(ValueError, match="tensor/pipeline parallelism"):
+        check_target(Model(), Parallel())
+    Parallel.tensor_parallel_size, Model.logprobs_mode = 1, "raw_logits"
+    check_target(Model(), Parallel())
+    Model.logprobs_mode = "processed_logprobs"
+    with pytest.raises(ValueError, match="logprobs_mode 'processed_logprobs' is not supported"):
         check_target(Model(), Parallel())
 
 

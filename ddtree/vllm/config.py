@@ -61,6 +61,11 @@ def check_target(model_config, parallel_config) -> None:
         raise ValueError(f"ddtree: multimodal target {model_config.model!r} is not supported")
     if parallel_config.pipeline_parallel_size > 1 or parallel_config.tensor_parallel_size > 1:
         raise ValueError("ddtree: tensor/pipeline parallelism is not supported (one worker only)")
+    # Logprobs come from the raw logits of the nodes the walk visits (runner.py); the processed
+    # modes would need each node's sampling distribution.
+    if model_config.logprobs_mode not in ("raw_logprobs", "raw_logits"):
+        raise ValueError(f"ddtree: logprobs_mode {model_config.logprobs_mode!r} is not supported "
+                         "('raw_logprobs', the default, or 'raw_logits')")
 
 
 def gpu_engine_settings(engine_args) -> None:

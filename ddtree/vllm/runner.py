@@ -69,12 +69,6 @@ class DDTreeRunnerMixin:
             self.drafter = DDTreeProposer(vllm_config, self.device, self, settings["budget"])
         self._plan: StepPlan | None = None
         self._target_layers: dict[str, Attention] | None = None
-        # Logprobs come from the raw logits of the nodes the walk visits; the processed modes
-        # would need the walk's per-node sampling distributions.
-        mode = vllm_config.model_config.logprobs_mode
-        if mode not in ("raw_logprobs", "raw_logits"):
-            raise ValueError(f"speculative method 'ddtree' supports logprobs_mode 'raw_logprobs' or "
-                             f"'raw_logits', not {mode!r}")
 
     def _proposer_setup(self):
         return contextlib.nullcontext()
