@@ -137,6 +137,17 @@ def test_logprobs_equal_vllm_without_speculation(plain, ddtree_run):
             assert [r for _, _, r in a] == [r for _, _, r in b]
 
 
+def test_prompt_logprobs_equal_vllm_without_speculation(plain, ddtree_run):
+    # Prompt logprobs come from the prefill's hidden states, which DDTree steps leave alone (only
+    # verify rows' logits are deferred to the walk).
+    assert len(plain["prompt_logprobs"]) == SUBSET
+    for mine, theirs in zip(ddtree_run["prompt_logprobs"], plain["prompt_logprobs"]):
+        assert len(mine) == len(theirs) > 10
+        for a, b in zip(mine, theirs):
+            assert [k for k, _, _ in a] == [k for k, _, _ in b]
+            assert all(abs(x - y) < 2e-3 for (_, x, _), (_, y, _) in zip(a, b)), (a, b)
+
+
 def test_spec_decode_metrics_count_tree_steps(ddtree_run):
     m = ddtree_run["metrics"]
     assert m["vllm:spec_decode_num_drafts"] > 0
@@ -148,7 +159,7 @@ def test_spec_decode_metrics_count_tree_steps(ddtree_run):
 
 def test_unsupported_request_features_are_refused(ddtree_run):
     refusals = ddtree_run["refusals"]
-    for name in ("min_p", "prompt_logprobs", "structured_outputs"):
+    for name in ("min_p", "bad_words", "structured_outputs"):
         assert name in refusals[name], refusals[name]
         assert "ddtree" in refusals[name]
 
@@ -228,8 +239,9 @@ def test_unsupported_params_names_each_feature():
                                logit_bias={1: 2.0}, min_tokens=3)
     assert unsupported_params(processed) == []
     assert unsupported_params(SamplingParams(logprobs=2)) == []
-    bad = unsupported_params(SamplingParams(min_p=0.1, prompt_logprobs=2))
-    assert [b.split("=")[0] for b in bad] == ["min_p", "prompt_logprobs"]
+    assert unsupported_params(SamplingParams(prompt_logprobs=2)) == []
+    bad = unsupported_params(SamplingParams(min_p=0.1, bad_words=["x"]))
+    assert [b.split("=")[0] for b in bad] == ["min_p", "bad_words"]
 
 
 # ---- the CUDA path's wiring (no GPU here: what can be checked without one) -------------------
@@ -364,12 +376,14 @@ def _child(job: dict) -> dict:
                 max_tokens=MAX_TOKENS, min_tokens=10, repetition_penalty=1.4, presence_penalty=0.6,
                 frequency_penalty=0.5, logit_bias=bias, **kind), subset)] for kind in kinds]
         elif name == "logprobs":
-            outs = llm.generate(prompts[:subset], SamplingParams(temperature=0, max_tokens=MAX_TOKENS, logprobs=3),
-                                use_tqdm=False)
-            result[name] = [[(t, sorted([k, lp.logprob, lp.rank] for k, lp in d.items()))
-                             for t, d in zip(o.outputs[0].token_ids, o.outputs[0].logprobs)] for o in outs]
+            outs = llm.generate(prompts[:subset], SamplingParams(temperature=0, max_tokens=MAX_TOKENS, logprobs=3,
+                                                                 prompt_logprobs=2), use_tqdm=False)
+            table = lambda d: sorted([k, lp.logprob, lp.rank] for k, lp in d.items())  # noqa: E731
+            result[name] = [[(t, table(d)) for t, d in zip(o.outputs[0].token_ids, o.outputs[0].logprobs)]
+                            for o in outs]
+            result["prompt_logprobs"] = [[table(d) for d in o.prompt_logprobs[1:]] for o in outs]
         elif name == "refusals":
-            bad = {"min_p": dict(min_p=0.1), "prompt_logprobs": dict(prompt_logprobs=1),
+            bad = {"min_p": dict(min_p=0.1), "bad_words": dict(bad_words=["library"]),
                    "structured_outputs": dict(structured_outputs=StructuredOutputsParams(choice=["a", "b"]))}
             result[name] = {}
             for key, kwargs in bad.items():

@@ -4,8 +4,8 @@ The walk samples from softmax(logits / T) filtered by top-k / top-p (or takes th
 vLLM's min_tokens, logit_bias and presence / frequency / repetition penalties, each applied to a
 node's logits for that node's own prefix (runner.py, ddtree.tree.processing): exactly vLLM's rule
 for requests without the features below. Those change the target distribution in ways the walk
-does not reproduce (min_p, masks, grammars) or ask for outputs it does not produce (prompt
-logprobs, logprobs of chosen token ids), so such requests are refused up front with a message
+does not reproduce (min_p, masks, grammars) or ask for outputs it does not produce (logprobs
+of chosen token ids), so such requests are refused up front with a message
 naming the parameter, instead of being served with a silently different distribution.
 """
 from __future__ import annotations
@@ -22,7 +22,6 @@ def unsupported_params(params) -> list[str]:
         ("allowed_token_ids", params.allowed_token_ids is not None),
         ("bad_words", bool(params.bad_words)),
         ("logprob_token_ids", getattr(params, "logprob_token_ids", None) is not None),
-        ("prompt_logprobs", params.prompt_logprobs is not None),
         ("structured_outputs", params.structured_outputs is not None),
         ("logits_processors", bool(getattr(params, "logits_processors", None))),
         ("thinking_token_budget", getattr(params, "thinking_token_budget", None) is not None),
