@@ -1,4 +1,4 @@
-"""Logits processing (penalties, logit_bias, min_tokens) stays lossless: every node of a tree
+"""Logits processing (penalties, logit_bias, min_tokens, min_p) stays lossless: every node of a tree
 gets the logits plain decoding would have after that node's prefix. Checked per node against a
 naive loop, and end to end against a greedy reference written here (full target passes, the
 processing in float64), for plain decoding, the chain and trees."""
@@ -19,7 +19,7 @@ SHIPPED = SHIPPED_DRAFTERS / "SmolLM2-135M-Instruct-DFlash"
 
 def process_naive(x: torch.Tensor, prompt, output, params: SamplingParams, stops) -> torch.Tensor:
     """vLLM's order for one position after ``prompt + output``: min_tokens, logit_bias, then the
-    repetition, frequency and presence penalties."""
+    repetition, frequency and presence penalties, then min_p."""
     x = x.double().clone()
     if len(output) < params.min_tokens:
         x[list(stops)] = float("-inf")
@@ -30,6 +30,9 @@ def process_naive(x: torch.Tensor, prompt, output, params: SamplingParams, stops
         x[t] = x[t] / r if x[t] > 0 else x[t] * r
     for t, c in Counter(output).items():
         x[t] -= params.frequency_penalty * c + params.presence_penalty
+    if params.min_p and params.temperature > 0:  # as vLLM: on the probabilities after temperature
+        probs = torch.softmax(x / params.temperature, -1)
+        x[probs < params.min_p * probs.max()] = float("-inf")
     return x
 
 
@@ -37,7 +40,8 @@ def test_tree_nodes_get_their_own_prefix_processing():
     torch.manual_seed(0)
     N, T, V = 3, 12, 9
     params = [SamplingParams(presence_penalty=0.7, frequency_penalty=0.4, repetition_penalty=1.6,
-                             logit_bias={2: 3.0, 5: -1.5}, min_tokens=4, max_tokens=32),
+                             logit_bias={2: 3.0, 5: -1.5}, min_tokens=4, max_tokens=32, min_p=0.05,
+                             temperature=0.7),
               SamplingParams(),  # a request without processing in the same round: untouched
               SamplingParams(frequency_penalty=-1.0, repetition_penalty=0.5, min_tokens=1, max_tokens=32)]
     prompts = [[1, 2, 3], [4, 4], [0, 8]]
@@ -54,7 +58,8 @@ def test_tree_nodes_get_their_own_prefix_processing():
                             [p.repetition_penalty for p in params], [p.frequency_penalty for p in params],
                             [p.presence_penalty for p in params],
                             [max(0, p.min_tokens - len(o)) for p, o in zip(params, outputs)],
-                            [stops] * N, V, "cpu")
+                            [stops] * N, V, "cpu", min_p=[p.min_p for p in params],
+                            temperature=[p.temperature for p in params])
     got = process_tree_logits(logits, tokens, depths, ancestor_mask(parents, int(depths.max())), proc)
     for n in range(N):
         for i in range(T):
@@ -63,7 +68,9 @@ def test_tree_nodes_get_their_own_prefix_processing():
                 path.append(int(tokens[n, j]))
                 j = int(parents[n, j])
             want = process_naive(logits[n, i], prompts[n], outputs[n] + path[::-1], params[n], stops)
-            assert torch.allclose(got[n, i].double(), want, atol=1e-5), (n, i)
+            assert torch.equal(got[n, i].isinf(), want.isinf()), (n, i)
+            keep = ~want.isinf()
+            assert torch.allclose(got[n, i].double()[keep], want[keep], atol=1e-5), (n, i)
     assert torch.equal(got[1], logits[1])
     # plain decoding: the root alone
     alone = process_tree_logits(logits[:, :1], tokens[:, :1], depths[:, :1], None, proc)
@@ -119,7 +126,8 @@ def test_min_tokens_holds_back_eos_and_stop_strings(smol, tokenizer, prompts):
 @pytest.mark.parametrize("kw,field", [
     (dict(presence_penalty=2.5), "presence_penalty"), (dict(frequency_penalty=float("nan")), "frequency_penalty"),
     (dict(repetition_penalty=0), "repetition_penalty"), (dict(logit_bias={-1: 1.0}), "logit_bias"),
-    (dict(logit_bias={3: 101}), "logit_bias"), (dict(min_tokens=20, max_tokens=10), "min_tokens")])
+    (dict(logit_bias={3: 101}), "logit_bias"), (dict(min_tokens=20, max_tokens=10), "min_tokens"),
+    (dict(min_p=1.5), "min_p")])
 def test_bad_processing_rejected(kw, field):
     with pytest.raises(ValueError, match=field):
         SamplingParams(**kw)

@@ -286,6 +286,13 @@ def test_penalties_bias_and_min_tokens(server, smol):
     assert out.usage.completion_tokens == len(want) and out.choices[0].text != server.ref[PROMPTS[0]].text
 
 
+def test_min_p_reaches_the_sampler(server):
+    """vLLM's min_p: at 1.0 only the most likely token survives, so T=1 sampling is greedy."""
+    out = server.client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=N_TOKENS, temperature=1.0,
+                                           seed=5, extra_body={"min_p": 1.0})
+    assert out.choices[0].text == server.ref[PROMPTS[0]].text
+
+
 def test_stop_string_and_token_ids(server):
     prompt = PROMPTS[0]
     ref = server.ref[prompt]
@@ -383,6 +390,7 @@ BAD = [
     ("chat", {"messages": CHAT, "logit_bias": {"5": 250}}, "logit_bias", None),
     ("completions", {"prompt": "hi", "logit_bias": {"99999999": 1}}, "logit_bias", None),
     ("completions", {"prompt": "hi", "max_tokens": 3, "min_tokens": 4}, "min_tokens", None),
+    ("chat", {"messages": CHAT, "min_p": 1.5}, "min_p", None),
 ]
 
 

@@ -159,7 +159,7 @@ def test_spec_decode_metrics_count_tree_steps(ddtree_run):
 
 def test_unsupported_request_features_are_refused(ddtree_run):
     refusals = ddtree_run["refusals"]
-    for name in ("min_p", "bad_words", "structured_outputs"):
+    for name in ("allowed_token_ids", "bad_words", "structured_outputs"):
         assert name in refusals[name], refusals[name]
         assert "ddtree" in refusals[name]
 
@@ -236,12 +236,12 @@ def test_unsupported_params_names_each_feature():
     from vllm import SamplingParams
     assert unsupported_params(SamplingParams(temperature=0.7, top_p=0.9, top_k=20, seed=1)) == []
     processed = SamplingParams(repetition_penalty=1.1, presence_penalty=0.5, frequency_penalty=0.2,
-                               logit_bias={1: 2.0}, min_tokens=3)
+                               logit_bias={1: 2.0}, min_tokens=3, min_p=0.1)
     assert unsupported_params(processed) == []
     assert unsupported_params(SamplingParams(logprobs=2)) == []
     assert unsupported_params(SamplingParams(prompt_logprobs=2)) == []
-    bad = unsupported_params(SamplingParams(min_p=0.1, bad_words=["x"]))
-    assert [b.split("=")[0] for b in bad] == ["min_p", "bad_words"]
+    bad = unsupported_params(SamplingParams(allowed_token_ids=[1, 2], bad_words=["x"]))
+    assert [b.split("=")[0] for b in bad] == ["allowed_token_ids", "bad_words"]
 
 
 # ---- the CUDA path's wiring (no GPU here: what can be checked without one) -------------------
@@ -371,7 +371,7 @@ def _child(job: dict) -> dict:
         elif name == "processed":
             bias = {tok.encode(" the", add_special_tokens=False)[0]: -4.0,
                     tok.encode(" I", add_special_tokens=False)[0]: 2.0}
-            kinds = [dict(temperature=0), dict(temperature=0.8, top_k=1, seed=3)]
+            kinds = [dict(temperature=0), dict(temperature=0.8, top_k=1, min_p=0.2, seed=3)]
             result[name] = [[list(x) for x in ids(SamplingParams(
                 max_tokens=MAX_TOKENS, min_tokens=10, repetition_penalty=1.4, presence_penalty=0.6,
                 frequency_penalty=0.5, logit_bias=bias, **kind), subset)] for kind in kinds]
@@ -383,7 +383,7 @@ def _child(job: dict) -> dict:
                             for o in outs]
             result["prompt_logprobs"] = [[table(d) for d in o.prompt_logprobs[1:]] for o in outs]
         elif name == "refusals":
-            bad = {"min_p": dict(min_p=0.1), "bad_words": dict(bad_words=["library"]),
+            bad = {"allowed_token_ids": dict(allowed_token_ids=[1, 2]), "bad_words": dict(bad_words=["library"]),
                    "structured_outputs": dict(structured_outputs=StructuredOutputsParams(choice=["a", "b"]))}
             result[name] = {}
             for key, kwargs in bad.items():

@@ -628,7 +628,8 @@ class ModelRunner:
             [float(x.frequency_penalty) for x in p], [float(x.presence_penalty) for x in p],
             [max(0, x.min_tokens - s.num_output_tokens) for s, x in zip(seqs, p)],
             [sorted(self.eos_token_ids | set(x.stop_token_ids)) for x in p],
-            self.target.config.vocab_size, self.device, rows)
+            self.target.config.vocab_size, self.device, rows,
+            [float(x.min_p) for x in p], [float(x.temperature) for x in p])
 
     @staticmethod
     def token_logprobs(logits: torch.Tensor, accepted, tokens: torch.Tensor, k: int):

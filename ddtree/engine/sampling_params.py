@@ -15,7 +15,9 @@ class SamplingParams:
     first (computed by the prefill). As vLLM's: ``min_tokens`` blocks EOS and ``stop_token_ids`` (and
     stop strings ending within them) until that many tokens are out; ``logit_bias`` {token id:
     bias} is added to the logits; then the penalties: ``repetition_penalty`` (1 = off) for prompt
-    and output tokens, ``frequency_penalty`` / ``presence_penalty`` (0 = off) for output tokens."""
+    and output tokens, ``frequency_penalty`` / ``presence_penalty`` (0 = off) for output tokens;
+    then, after temperature, ``min_p`` (0 = off) drops tokens less likely than min_p times the most
+    likely one, before top-k / top-p."""
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
@@ -31,12 +33,14 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     logit_bias: dict[int, float] | None = None
     min_tokens: int = 0
+    min_p: float = 0.0
 
     @property
     def processes_logits(self) -> bool:
-        """Whether the target's logits are changed before sampling (penalties, bias, min_tokens)."""
+        """Whether the target's logits are changed before sampling (penalties, bias, min_tokens,
+        min_p when sampling)."""
         return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1
-                    or self.logit_bias or self.min_tokens)
+                    or self.logit_bias or self.min_tokens or (self.min_p and self.temperature > 0))
 
     def __post_init__(self):
         self.validate()
@@ -80,6 +84,8 @@ class SamplingParams:
                     raise ValueError(f"logit_bias keys must be token ids (integers >= 0), got {t!r}")
                 if isinstance(b, bool) or not isinstance(b, (int, float)) or not -100 <= b <= 100:
                     raise ValueError(f"logit_bias values must be numbers in [-100, 100], got {b!r} for token {t}")
+        if isinstance(self.min_p, bool) or not isinstance(self.min_p, (int, float)) or not 0 <= self.min_p <= 1:
+            raise ValueError(f"min_p must be a number in [0, 1] (0 = off), got {self.min_p!r}")
         if isinstance(self.min_tokens, bool) or not isinstance(self.min_tokens, int) \
                 or not 0 <= self.min_tokens <= self.max_tokens:
             raise ValueError(f"min_tokens must be an integer in [0, max_tokens={self.max_tokens}], "

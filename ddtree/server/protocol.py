@@ -56,6 +56,8 @@ class _SamplingRequest(_Strict):
     repetition_penalty: float | None = Field(default=None, gt=0, description="extension (vLLM's); 1 = off")
     logit_bias: dict[str, float] | None = Field(default=None, description="{token id: bias in [-100, 100]}")
     min_tokens: int | None = Field(default=None, ge=0, description="extension (vLLM's): no EOS / stop before")
+    min_p: float | None = Field(default=None, ge=0, le=1, description="extension (vLLM's): drop tokens below "
+                                                                    "min_p x the top probability; 0 = off")
     user: str | None = None
 
 

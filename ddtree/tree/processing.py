@@ -1,8 +1,10 @@
-"""Logits processing (min_tokens, logit_bias, repetition / frequency / presence penalties) for
+"""Logits processing (min_tokens, logit_bias, repetition / frequency / presence penalties, min_p) for
 every node of a verified tree, so that node i's distribution is exactly what plain decoding
 would sample after the prefix that ends at node i: the committed tokens plus node i's path.
 
-The order is vLLM's: min_tokens and logit_bias, then the penalties. Penalties count output
+The order is vLLM's: min_tokens and logit_bias, then the penalties, then min_p (which vLLM applies
+after temperature: p_i < min_p * p_max is x_i < max(x) + T * ln(min_p) on the logits before
+temperature, so it is a mask here and sampling's temperature and top-k / top-p follow). Penalties count output
 tokens; each node adds the tokens on its own path below the root (the root, the last committed
 token, is already counted). Only the tokens in a tree can have counts that differ from the
 committed ones, so those are recomputed per (node, tree token) pair instead of building
@@ -10,6 +12,7 @@ committed ones, so those are recomputed per (node, tree token) pair instead of b
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -28,11 +31,14 @@ class Processing:
     min_left: torch.Tensor      # [N] long: output tokens still needed before a stop token may come
     stop_tokens: torch.Tensor   # [N, V] bool: EOS and stop_token_ids (blocked while min_left > depth)
     rows: torch.Tensor          # [N] long
+    min_p_shift: torch.Tensor   # [N] float: T * ln(min_p) (-inf = off): tokens below max + shift go
 
     @classmethod
     def build(cls, outputs: list[list[int]], prompts: list[list[int]], biases: list[dict[int, float] | None],
               repetition: list[float], frequency: list[float], presence: list[float], min_left: list[int],
-              stop_tokens: list[list[int]], vocab: int, device, rows: list[int] | None = None) -> "Processing":
+              stop_tokens: list[list[int]], vocab: int, device, rows: list[int] | None = None,
+              min_p: list[float] | None = None, temperature: list[float] | None = None) -> "Processing":
+        """min_p with each row's sampling temperature (min_p has no effect on greedy rows)."""
         N = len(outputs)
         counts = torch.zeros(N, vocab)
         seen = torch.zeros(N, vocab, dtype=torch.bool)
@@ -50,7 +56,13 @@ class Processing:
         return cls(counts.to(device), seen.to(device), bias.to(device), torch.tensor(repetition, **f).to(device),
                    torch.tensor(frequency, **f).to(device), torch.tensor(presence, **f).to(device),
                    torch.tensor(min_left, dtype=torch.long).to(device), stops.to(device),
-                   torch.tensor(range(N) if rows is None else rows, dtype=torch.long).to(device))
+                   torch.tensor(range(N) if rows is None else rows, dtype=torch.long).to(device),
+                   torch.tensor([min_p_shift(m, t) for m, t in zip(min_p or [0.0] * N, temperature or [0.0] * N)],
+                                **f).to(device))
+
+
+def min_p_shift(min_p: float, temperature: float) -> float:
+    return temperature * math.log(min_p) if min_p > 0 and temperature > 0 else float("-inf")
 
 
 def _penalize(x, counts, seen, repetition, frequency, presence):
@@ -87,4 +99,4 @@ def process_tree_logits(logits: torch.Tensor, tokens: torch.Tensor, depths: torc
         total = p.counts.gather(1, tokens)[:, None, :] + on_path          # [N, T(i), T(j)]
         seen = p.seen.gather(1, tokens)[:, None, :] | (on_path > 0)
         out = out.scatter(2, idx, _penalize(pre_path, total, seen, r, f, pr))
-    return out
+    return out.masked_fill(out < out.amax(-1, keepdim=True) + p.min_p_shift[:, None, None], float("-inf"))

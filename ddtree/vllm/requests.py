@@ -1,10 +1,10 @@
 """Per-request refusals: sampling features the tree acceptance walk does not implement.
 
 The walk samples from softmax(logits / T) filtered by top-k / top-p (or takes the argmax) after
-vLLM's min_tokens, logit_bias and presence / frequency / repetition penalties, each applied to a
-node's logits for that node's own prefix (runner.py, ddtree.tree.processing): exactly vLLM's rule
+vLLM's min_tokens, logit_bias, presence / frequency / repetition penalties and min_p, each applied
+to a node's logits for that node's own prefix (runner.py, ddtree.tree.processing): exactly vLLM's rule
 for requests without the features below. Those change the target distribution in ways the walk
-does not reproduce (min_p, masks, grammars) or ask for outputs it does not produce (logprobs
+does not reproduce (masks, grammars) or ask for outputs it does not produce (logprobs
 of chosen token ids), so such requests are refused up front with a message
 naming the parameter, instead of being served with a silently different distribution.
 """
@@ -18,7 +18,6 @@ from ddtree.vllm.config import settings_of
 def unsupported_params(params) -> list[str]:
     """Names (with values) of the set SamplingParams fields DDTree refuses."""
     checks = [
-        ("min_p", bool(params.min_p)),
         ("allowed_token_ids", params.allowed_token_ids is not None),
         ("bad_words", bool(params.bad_words)),
         ("logprob_token_ids", getattr(params, "logprob_token_ids", None) is not None),
@@ -29,14 +28,14 @@ def unsupported_params(params) -> list[str]:
     return [f"{name}={getattr(params, name)!r}" for name, bad in checks if bad]
 
 
-# Set while a DDTree engine validates a request: vLLM refuses logit_bias with any speculative
-# method (its rejection sampler does not apply it to draft positions); DDTree's walk does.
+# Set while a DDTree engine validates a request: vLLM refuses min_p and logit_bias with any
+# speculative method (its rejection sampler does not apply them to draft positions); DDTree's walk does.
 _validating_for_ddtree = contextvars.ContextVar("ddtree_validating", default=False)
 
 
 def install_request_hook() -> None:
     """Wrap vLLM's request validation so DDTree engines refuse unsupported sampling features and
-    accept logit_bias."""
+    accept min_p and logit_bias."""
     from vllm.exceptions import VLLMValidationError
     from vllm.sampling_params import SamplingParams
     from vllm.v1.engine.input_processor import InputProcessor
@@ -47,7 +46,7 @@ def install_request_hook() -> None:
     spec_check = SamplingParams._validate_spec_decode
 
     def _validate_spec_decode(self, speculative_config):
-        if not _validating_for_ddtree.get():  # min_p, its other refusal, is refused below
+        if not _validating_for_ddtree.get():  # DDTree's walk applies min_p and logit_bias
             spec_check(self, speculative_config)
 
     def _validate_params(self, params, supported_tasks):
