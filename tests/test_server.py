@@ -391,6 +391,10 @@ BAD = [
     ("completions", {"prompt": "hi", "logit_bias": {"99999999": 1}}, "logit_bias", None),
     ("completions", {"prompt": "hi", "max_tokens": 3, "min_tokens": 4}, "min_tokens", None),
     ("chat", {"messages": CHAT, "min_p": 1.5}, "min_p", None),
+    ("chat", {"messages": CHAT, "guided_json": {"type": "object"}}, "guided_json", "unsupported_parameter"),
+    ("completions", {"prompt": "hi", "bad_words": ["the"]}, "bad_words", "unsupported_parameter"),
+    ("completions", {"prompt": "hi", "include_stop_str_in_output": True}, "include_stop_str_in_output",
+     "unsupported_parameter"),
 ]
 
 

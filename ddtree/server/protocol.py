@@ -129,11 +129,23 @@ class ApiError(Exception):
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
 
+# Fields of OpenAI's or vLLM's request schema that change what is generated and that this server
+# does not implement: refused rather than ignored (other unknown fields, e.g. "store" or "metadata",
+# are ignored as extra="allow" lets them through).
+UNSUPPORTED_FIELDS = ("functions", "function_call", "allowed_token_ids", "bad_words", "structured_outputs",
+                      "guided_json", "guided_regex", "guided_choice", "guided_grammar", "use_beam_search",
+                      "include_stop_str_in_output", "truncate_prompt_tokens", "logits_processors",
+                      "prompt_logprobs", "audio")
+
+
 def unsupported(req: _SamplingRequest) -> ApiError | None:
-    """A 400 for the OpenAI features this server does not have, when the client asks for one."""
+    """A 400 for the OpenAI and vLLM features this server does not have, when the client asks for one."""
     def err(param, message):
         return ApiError(400, message, param=param, code="unsupported_parameter")
 
+    for name in UNSUPPORTED_FIELDS:
+        if (req.model_extra or {}).get(name) not in (None, False, [], {}):
+            return err(name, f"{name} is not supported by this server")
     if req.stream_options is not None and not req.stream:
         return err("stream_options", "stream_options is only allowed when stream is true")
     if isinstance(req, CompletionRequest):
