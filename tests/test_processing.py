@@ -1,4 +1,4 @@
-"""Logits processing (penalties, logit_bias, min_tokens, min_p) stays lossless: every node of a tree
+"""Logits processing (penalties, logit_bias, min_tokens, min_p, allowed_token_ids, bad_words) stays lossless: every node of a tree
 gets the logits plain decoding would have after that node's prefix. Checked per node against a
 naive loop, and end to end against a greedy reference written here (full target passes, the
 processing in float64), for plain decoding, the chain and trees."""
@@ -17,10 +17,16 @@ from test_logprobs import forward_logits
 SHIPPED = SHIPPED_DRAFTERS / "SmolLM2-135M-Instruct-DFlash"
 
 
-def process_naive(x: torch.Tensor, prompt, output, params: SamplingParams, stops) -> torch.Tensor:
-    """vLLM's order for one position after ``prompt + output``: min_tokens, logit_bias, then the
-    repetition, frequency and presence penalties, then min_p."""
+def process_naive(x: torch.Tensor, prompt, output, params: SamplingParams, stops, bad_words=()) -> torch.Tensor:
+    """vLLM's order for one position after ``prompt + output``: allowed_token_ids and bad words
+    (token lists, matched against the output), min_tokens, logit_bias, then the repetition,
+    frequency and presence penalties, then min_p."""
     x = x.double().clone()
+    if params.allowed_token_ids is not None:
+        x[[t for t in range(len(x)) if t not in params.allowed_token_ids]] = float("-inf")
+    for word in bad_words:
+        if len(word) - 1 <= len(output) and output[len(output) - len(word) + 1:] == word[:-1]:
+            x[word[-1]] = float("-inf")
     if len(output) < params.min_tokens:
         x[list(stops)] = float("-inf")
     for t, b in (params.logit_bias or {}).items():
@@ -41,12 +47,13 @@ def test_tree_nodes_get_their_own_prefix_processing():
     N, T, V = 3, 12, 9
     params = [SamplingParams(presence_penalty=0.7, frequency_penalty=0.4, repetition_penalty=1.6,
                              logit_bias={2: 3.0, 5: -1.5}, min_tokens=4, max_tokens=32, min_p=0.05,
-                             temperature=0.7),
+                             temperature=0.7, allowed_token_ids=[0, 1, 2, 3, 5, 7, 8]),
               SamplingParams(),  # a request without processing in the same round: untouched
               SamplingParams(frequency_penalty=-1.0, repetition_penalty=0.5, min_tokens=1, max_tokens=32)]
     prompts = [[1, 2, 3], [4, 4], [0, 8]]
     outputs = [[3, 3, 7], [], [8, 1, 1, 6, 2]]
     stops = [0, 6]
+    bad_words = [[[3, 7], [7, 2], [4], [3, 3, 7, 1]], [], [[1, 6], [2, 2], [6, 2, 2]]]
     parents = torch.stack([torch.tensor([0] + [int(torch.randint(0, i, ())) for i in range(1, T)]) for _ in range(N)])
     depths = torch.zeros(N, T, dtype=torch.long)
     for i in range(1, T):
@@ -59,18 +66,24 @@ def test_tree_nodes_get_their_own_prefix_processing():
                             [p.presence_penalty for p in params],
                             [max(0, p.min_tokens - len(o)) for p, o in zip(params, outputs)],
                             [stops] * N, V, "cpu", min_p=[p.min_p for p in params],
-                            temperature=[p.temperature for p in params])
+                            temperature=[p.temperature for p in params],
+                            allowed=[p.allowed_token_ids for p in params], bad_words=bad_words)
     got = process_tree_logits(logits, tokens, depths, ancestor_mask(parents, int(depths.max())), proc)
+    banned_below_root = 0
     for n in range(N):
         for i in range(T):
             path, j = [], i
             while j != 0:
                 path.append(int(tokens[n, j]))
                 j = int(parents[n, j])
-            want = process_naive(logits[n, i], prompts[n], outputs[n] + path[::-1], params[n], stops)
+            want = process_naive(logits[n, i], prompts[n], outputs[n] + path[::-1], params[n], stops, bad_words[n])
+            if i and path:
+                no_words = process_naive(logits[n, i], prompts[n], outputs[n] + path[::-1], params[n], stops)
+                banned_below_root += int((want.isinf() & ~no_words.isinf()).sum())
             assert torch.equal(got[n, i].isinf(), want.isinf()), (n, i)
             keep = ~want.isinf()
             assert torch.allclose(got[n, i].double()[keep], want[keep], atol=1e-5), (n, i)
+    assert banned_below_root >= 5  # bad words matched along tree paths, not only in the committed tail
     assert torch.equal(got[1], logits[1])
     # plain decoding: the root alone
     alone = process_tree_logits(logits[:, :1], tokens[:, :1], depths[:, :1], None, proc)
@@ -81,10 +94,10 @@ PROCESSED = SamplingParams(temperature=0, max_tokens=20, presence_penalty=0.5, f
                            repetition_penalty=1.3, logit_bias={504: 4.0, 28: -100.0}, min_tokens=6)
 
 
-def reference_greedy(smol, prompt, params, stops) -> list[int]:
+def reference_greedy(smol, prompt, params, stops, bad_words=()) -> list[int]:
     out = []
     while len(out) < params.max_tokens:
-        x = process_naive(forward_logits(smol, prompt, out + [0])[-1], prompt, out, params, stops)
+        x = process_naive(forward_logits(smol, prompt, out + [0])[-1], prompt, out, params, stops, bad_words)
         out.append(int(x.argmax()))
         if len(out) > params.min_tokens and out[-1] in stops:
             break
@@ -109,6 +122,29 @@ def test_processed_greedy_equals_reference(smol, tokenizer, prompts, references,
         assert max(n for o in outs[:2] for n in o.metrics.accepted_lengths) >= 3
 
 
+@pytest.fixture(scope="module")
+def masked(smol, tokenizer, prompts):
+    """A request whose greedy output both masks change: one bad word taken from the plain output's
+    text, and allowed_token_ids = the plain output's tokens and EOS; with its reference."""
+    eos = tokenizer.eos_token_id
+    plain = reference_greedy(smol, prompts[0], SamplingParams(temperature=0, max_tokens=20), {eos})
+    word = tokenizer.decode(plain[5:7]).strip()
+    params = SamplingParams(temperature=0, max_tokens=20, bad_words=[word], allowed_token_ids=sorted(set(plain) | {eos}))
+    words = make_llm(smol, tokenizer, method="ar").engine.bad_words_token_ids([word])
+    want = reference_greedy(smol, prompts[0], params, {eos}, words)
+    assert want != plain and set(want) <= set(params.allowed_token_ids)
+    return params, want
+
+
+@pytest.mark.parametrize("method,budget", [("ar", 0), ("dflash", 0), ("ddtree", 16)])
+def test_bad_words_and_allowed_token_ids_equal_reference(smol, tokenizer, prompts, masked, method, budget):
+    params, want = masked
+    llm = make_llm(smol, tokenizer, method=method, budget=budget, drafter=SHIPPED)
+    out = llm.generate([prompts[0]], [params])[0]
+    assert out.token_ids == want
+    assert params.bad_words[0] not in out.text
+
+
 def test_min_tokens_holds_back_eos_and_stop_strings(smol, tokenizer, prompts):
     llm = make_llm(smol, tokenizer, method="ddtree", budget=16, drafter=SHIPPED)
     greedy = SamplingParams(temperature=0, max_tokens=40)
@@ -127,7 +163,9 @@ def test_min_tokens_holds_back_eos_and_stop_strings(smol, tokenizer, prompts):
     (dict(presence_penalty=2.5), "presence_penalty"), (dict(frequency_penalty=float("nan")), "frequency_penalty"),
     (dict(repetition_penalty=0), "repetition_penalty"), (dict(logit_bias={-1: 1.0}), "logit_bias"),
     (dict(logit_bias={3: 101}), "logit_bias"), (dict(min_tokens=20, max_tokens=10), "min_tokens"),
-    (dict(min_p=1.5), "min_p")])
+    (dict(min_p=1.5), "min_p"), (dict(allowed_token_ids=[]), "allowed_token_ids"),
+    (dict(allowed_token_ids=[-1]), "allowed_token_ids"), (dict(bad_words=[" "]), "bad_words"),
+    (dict(bad_words="word"), "bad_words")])
 def test_bad_processing_rejected(kw, field):
     with pytest.raises(ValueError, match=field):
         SamplingParams(**kw)
@@ -137,3 +175,5 @@ def test_logit_bias_outside_the_vocabulary_rejected(smol, tokenizer):
     llm = make_llm(smol, tokenizer, method="ar")
     with pytest.raises(ValueError, match="logit_bias token id 49152"):
         llm.generate("hi", SamplingParams(logit_bias={49152: 1.0}))
+    with pytest.raises(ValueError, match="allowed_token_ids token id 49152"):
+        llm.generate("hi", SamplingParams(allowed_token_ids=[1, 49152]))

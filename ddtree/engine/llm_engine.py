@@ -155,6 +155,10 @@ class LLMEngine:
         for t in params.logit_bias or ():
             if t >= vocab:
                 raise ValueError(f"logit_bias token id {t} is outside the vocabulary [0, {vocab})")
+        for t in params.allowed_token_ids or ():
+            if t >= vocab:
+                raise ValueError(f"allowed_token_ids token id {t} is outside the vocabulary [0, {vocab})")
+        bad_words = self.bad_words_token_ids(params.bad_words) if params.bad_words else None
         for t in prompt_token_ids:
             if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab:
                 raise ValueError(f"prompt token id {t!r} is outside the vocabulary [0, {vocab})")
@@ -177,12 +181,26 @@ class LLMEngine:
             budget = 0  # "auto" chooses among trees; the other methods have no budget
         seq = Sequence(prompt_token_ids, params, prompt=prompt, request_id=request_id,
                        method=method, budget=budget)
+        seq.bad_words_token_ids = bad_words
         seq.lookahead = self.runner.lookahead(method, self.budget_cap if budget == "auto" else budget)
         if self.tokenizer is not None:
             seq.decode_fn = lambda ids: self.tokenizer.decode(ids, skip_special_tokens=True)
         self.seqs[seq.request_id] = seq
         self.scheduler.add(seq)
         return seq
+
+    def bad_words_token_ids(self, words: list[str]) -> list[list[int]]:
+        """Each word's tokens as it would start the text and, where they differ, after a space
+        (as vLLM does: a word is banned at the start and inside the text)."""
+        if self.tokenizer is None:
+            raise ValueError("bad_words needs a tokenizer; this engine runs without one")
+        out = []
+        for word in words:
+            for text in (word.lstrip(), " " + word.lstrip()):
+                ids = self.tokenizer.encode(text, add_special_tokens=False)
+                if ids and ids not in out:
+                    out.append(ids)
+        return out
 
     def abort(self, request_id: str) -> None:
         seq = self.seqs.pop(request_id, None)

@@ -629,7 +629,8 @@ class ModelRunner:
             [max(0, x.min_tokens - s.num_output_tokens) for s, x in zip(seqs, p)],
             [sorted(self.eos_token_ids | set(x.stop_token_ids)) for x in p],
             self.target.config.vocab_size, self.device, rows,
-            [float(x.min_p) for x in p], [float(x.temperature) for x in p])
+            [float(x.min_p) for x in p], [float(x.temperature) for x in p],
+            [x.allowed_token_ids for x in p], [s.bad_words_token_ids for s in seqs])
 
     @staticmethod
     def token_logprobs(logits: torch.Tensor, accepted, tokens: torch.Tensor, k: int):

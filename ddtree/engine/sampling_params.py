@@ -12,7 +12,10 @@ class SamplingParams:
     ``logprobs`` = k: each output token's log-probability under the target and its k most likely
     tokens (0: the token's alone; None: none), from the raw logits, before temperature and
     filters (vLLM's default); ``prompt_logprobs`` = k: the same for every prompt token after the
-    first (computed by the prefill). As vLLM's: ``min_tokens`` blocks EOS and ``stop_token_ids`` (and
+    first (computed by the prefill). As vLLM's: ``allowed_token_ids`` are the only tokens that
+    may be sampled; ``bad_words`` (strings, tokenized by the engine with and without a leading
+    space) may not be completed: a word's last token is masked where the output ends with its
+    other tokens; ``min_tokens`` blocks EOS and ``stop_token_ids`` (and
     stop strings ending within them) until that many tokens are out; ``logit_bias`` {token id:
     bias} is added to the logits; then the penalties: ``repetition_penalty`` (1 = off) for prompt
     and output tokens, ``frequency_penalty`` / ``presence_penalty`` (0 = off) for output tokens;
@@ -34,13 +37,16 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None
     min_tokens: int = 0
     min_p: float = 0.0
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
 
     @property
     def processes_logits(self) -> bool:
-        """Whether the target's logits are changed before sampling (penalties, bias, min_tokens,
-        min_p when sampling)."""
+        """Whether the target's logits are changed before sampling (penalties, bias, masks,
+        min_tokens, min_p when sampling)."""
         return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1
-                    or self.logit_bias or self.min_tokens or (self.min_p and self.temperature > 0))
+                    or self.logit_bias or self.min_tokens or (self.min_p and self.temperature > 0)
+                    or self.allowed_token_ids is not None or self.bad_words)
 
     def __post_init__(self):
         self.validate()
@@ -86,6 +92,13 @@ class SamplingParams:
                     raise ValueError(f"logit_bias values must be numbers in [-100, 100], got {b!r} for token {t}")
         if isinstance(self.min_p, bool) or not isinstance(self.min_p, (int, float)) or not 0 <= self.min_p <= 1:
             raise ValueError(f"min_p must be a number in [0, 1] (0 = off), got {self.min_p!r}")
+        a = self.allowed_token_ids
+        if a is not None and (not isinstance(a, list) or not a or not all(
+                isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in a)):
+            raise ValueError(f"allowed_token_ids must be a non-empty list of token ids, got {a!r}")
+        if self.bad_words is not None and (not isinstance(self.bad_words, list) or not all(
+                isinstance(w, str) and w.strip() for w in self.bad_words)):
+            raise ValueError(f"bad_words must be a list of non-blank strings, got {self.bad_words!r}")
         if isinstance(self.min_tokens, bool) or not isinstance(self.min_tokens, int) \
                 or not 0 <= self.min_tokens <= self.max_tokens:
             raise ValueError(f"min_tokens must be an integer in [0, max_tokens={self.max_tokens}], "

@@ -62,6 +62,7 @@ class Sequence:
         # Read by every round (ModelRunner.eager_only), so worked out once: penalties / bias /
         # min_tokens change the logits; with a seed or logprobs too, no CUDA graph can run it.
         self.processes_logits = params.processes_logits
+        self.bad_words_token_ids: list[list[int]] | None = None  # set by the engine's tokenizer
         self.eager_only = params.seed is not None or params.logprobs is not None or self.processes_logits
         # Per output token, when params.logprobs is set: (its log-probability, [(token, logprob)]
         # of the params.logprobs most likely tokens).
