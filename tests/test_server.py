@@ -293,6 +293,18 @@ def test_min_p_reaches_the_sampler(server):
     assert out.choices[0].text == server.ref[PROMPTS[0]].text
 
 
+def test_bad_words_and_allowed_token_ids_reach_the_sampler(server):
+    ref = server.ref[PROMPTS[0]]
+    word = ref.text.split()[1]
+    out = server.client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=N_TOKENS, temperature=0,
+                                           extra_body={"bad_words": [word]})
+    assert word not in out.choices[0].text and out.choices[0].text != ref.text
+    only = ref.token_ids[0]
+    out = server.client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=4, temperature=1.0,
+                                           extra_body={"allowed_token_ids": [only]})
+    assert out.choices[0].text == server.tokenizer.decode([only] * 4)
+
+
 def test_stop_string_and_token_ids(server):
     prompt = PROMPTS[0]
     ref = server.ref[prompt]
@@ -392,7 +404,11 @@ BAD = [
     ("completions", {"prompt": "hi", "max_tokens": 3, "min_tokens": 4}, "min_tokens", None),
     ("chat", {"messages": CHAT, "min_p": 1.5}, "min_p", None),
     ("chat", {"messages": CHAT, "guided_json": {"type": "object"}}, "guided_json", "unsupported_parameter"),
-    ("completions", {"prompt": "hi", "bad_words": ["the"]}, "bad_words", "unsupported_parameter"),
+    ("completions", {"prompt": "hi", "bad_words": [" "]}, "bad_words", None),
+    ("completions", {"prompt": "hi", "bad_words": "the"}, "bad_words", None),
+    ("chat", {"messages": CHAT, "allowed_token_ids": []}, "allowed_token_ids", None),
+    ("completions", {"prompt": "hi", "allowed_token_ids": [5, 99999999]}, "allowed_token_ids", None),
+    ("chat", {"messages": CHAT, "structured_outputs": {"regex": "a+"}}, "structured_outputs", "unsupported_parameter"),
     ("completions", {"prompt": "hi", "include_stop_str_in_output": True}, "include_stop_str_in_output",
      "unsupported_parameter"),
 ]

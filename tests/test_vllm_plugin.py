@@ -78,7 +78,7 @@ def paths():
 
 @pytest.fixture(scope="module")
 def plain(paths):
-    return run_engine({"target": paths[0], "spec": None, "jobs": ["greedy", "prefix", "processed", "logprobs"],
+    return run_engine({"target": paths[0], "spec": None, "jobs": ["greedy", "prefix", "processed", "masked", "logprobs"],
                        "subset": SUBSET})
 
 
@@ -87,7 +87,7 @@ def ddtree_run(paths):
     spec = {"method": "ddtree", "model": paths[1], "budget": BUDGET}
     return run_engine({"target": paths[0], "spec": spec,
                        "jobs": ["greedy", "prefix", "top_k_1", "sampled", "sampled", "processed",
-                                "logprobs", "refusals"],
+                                "masked", "logprobs", "refusals"],
                        "subset": SUBSET})
 
 
@@ -126,6 +126,15 @@ def test_processed_requests_equal_vllm_without_speculation(plain, ddtree_run):
     assert ddtree_run["processed"] == [greedy, top_k_1]
 
 
+def test_masked_requests_equal_vllm_without_speculation(plain, ddtree_run):
+    # bad_words and allowed_token_ids: vLLM's sampler masks them without speculation, the walk
+    # masks each node for its own path (a bad word's earlier tokens may be tree tokens).
+    greedy, top_k_1 = plain["masked"]
+    assert greedy == top_k_1
+    assert greedy != plain["greedy"][:SUBSET], "the masks changed no output"
+    assert ddtree_run["masked"] == [greedy, top_k_1]
+
+
 def test_logprobs_equal_vllm_without_speculation(plain, ddtree_run):
     # Each output token's raw logprob and its top 3, read from the verify pass's logits of the node
     # the walk drew it at (the bonus token included), against vLLM's sampler one token at a time.
@@ -159,7 +168,7 @@ def test_spec_decode_metrics_count_tree_steps(ddtree_run):
 
 def test_unsupported_request_features_are_refused(ddtree_run):
     refusals = ddtree_run["refusals"]
-    for name in ("allowed_token_ids", "bad_words", "structured_outputs"):
+    for name in ("structured_outputs",):
         assert name in refusals[name], refusals[name]
         assert "ddtree" in refusals[name]
 
@@ -234,14 +243,17 @@ def test_unsupported_vllm_version_is_named(monkeypatch):
 
 def test_unsupported_params_names_each_feature():
     from vllm import SamplingParams
+    from vllm.sampling_params import StructuredOutputsParams
     assert unsupported_params(SamplingParams(temperature=0.7, top_p=0.9, top_k=20, seed=1)) == []
     processed = SamplingParams(repetition_penalty=1.1, presence_penalty=0.5, frequency_penalty=0.2,
                                logit_bias={1: 2.0}, min_tokens=3, min_p=0.1)
     assert unsupported_params(processed) == []
     assert unsupported_params(SamplingParams(logprobs=2)) == []
     assert unsupported_params(SamplingParams(prompt_logprobs=2)) == []
-    bad = unsupported_params(SamplingParams(allowed_token_ids=[1, 2], bad_words=["x"]))
-    assert [b.split("=")[0] for b in bad] == ["allowed_token_ids", "bad_words"]
+    assert unsupported_params(SamplingParams(allowed_token_ids=[1, 2], bad_words=["x"])) == []
+    bad = unsupported_params(SamplingParams(structured_outputs=StructuredOutputsParams(regex="a+"),
+                                            logprob_token_ids=[3]))
+    assert [b.split("=")[0] for b in bad] == ["logprob_token_ids", "structured_outputs"]
 
 
 # ---- the CUDA path's wiring (no GPU here: what can be checked without one) -------------------
@@ -375,6 +387,10 @@ def _child(job: dict) -> dict:
             result[name] = [[list(x) for x in ids(SamplingParams(
                 max_tokens=MAX_TOKENS, min_tokens=10, repetition_penalty=1.4, presence_penalty=0.6,
                 frequency_penalty=0.5, logit_bias=bias, **kind), subset)] for kind in kinds]
+        elif name == "masked":
+            masks = dict(max_tokens=MAX_TOKENS, bad_words=["the", "is", "Python"], allowed_token_ids=list(range(12000)))
+            kinds = [dict(temperature=0), dict(temperature=0.8, top_k=1, seed=3)]
+            result[name] = [[list(x) for x in ids(SamplingParams(**masks, **kind), subset)] for kind in kinds]
         elif name == "logprobs":
             outs = llm.generate(prompts[:subset], SamplingParams(temperature=0, max_tokens=MAX_TOKENS, logprobs=3,
                                                                  prompt_logprobs=2), use_tqdm=False)
@@ -383,8 +399,7 @@ def _child(job: dict) -> dict:
                             for o in outs]
             result["prompt_logprobs"] = [[table(d) for d in o.prompt_logprobs[1:]] for o in outs]
         elif name == "refusals":
-            bad = {"allowed_token_ids": dict(allowed_token_ids=[1, 2]), "bad_words": dict(bad_words=["library"]),
-                   "structured_outputs": dict(structured_outputs=StructuredOutputsParams(choice=["a", "b"]))}
+            bad = {"structured_outputs": dict(structured_outputs=StructuredOutputsParams(choice=["a", "b"]))}
             result[name] = {}
             for key, kwargs in bad.items():
                 try:

@@ -35,7 +35,8 @@ log = logging.getLogger("ddtree.server")
 ENGINE_ERROR_STATUS = 422
 UNAVAILABLE_STATUS = 503  # only while the engine is stopped / shutting down
 SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "max_tokens", "stop", "stop_token_ids", "seed", "ignore_eos",
-                   "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "min_tokens", "min_p")
+                   "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "min_tokens", "min_p",
+                   "allowed_token_ids", "bad_words")
 ERROR_RESPONSES = {400: {"model": ErrorResponse, "description": "invalid request"},
                    404: {"model": ErrorResponse, "description": "unknown model"},
                    ENGINE_ERROR_STATUS: {"model": ErrorResponse, "description": "the engine failed this request"}}
@@ -215,7 +216,8 @@ class OpenAIServer:
             ignore_eos=bool(req.ignore_eos), seed=req.seed, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
             presence_penalty=req.presence_penalty or 0.0, frequency_penalty=req.frequency_penalty or 0.0,
             repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
-            logit_bias=bias, min_tokens=req.min_tokens or 0, min_p=req.min_p or 0.0)
+            logit_bias=bias, min_tokens=req.min_tokens or 0, min_p=req.min_p or 0.0,
+            allowed_token_ids=req.allowed_token_ids, bad_words=req.bad_words or None)
 
     def speculative(self, req) -> dict:
         """Per-request {method, budget}: passed to the engine when it takes them; until then only

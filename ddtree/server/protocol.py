@@ -58,6 +58,10 @@ class _SamplingRequest(_Strict):
     min_tokens: int | None = Field(default=None, ge=0, description="extension (vLLM's): no EOS / stop before")
     min_p: float | None = Field(default=None, ge=0, le=1, description="extension (vLLM's): drop tokens below "
                                                                     "min_p x the top probability; 0 = off")
+    allowed_token_ids: list[int] | None = Field(default=None, description="extension (vLLM's): the only tokens "
+                                                                          "that may be sampled")
+    bad_words: list[str] | None = Field(default=None, description="extension (vLLM's): words that may not be "
+                                                                  "generated (with or without a leading space)")
     user: str | None = None
 
 
@@ -132,7 +136,7 @@ class ApiError(Exception):
 # Fields of OpenAI's or vLLM's request schema that change what is generated and that this server
 # does not implement: refused rather than ignored (other unknown fields, e.g. "store" or "metadata",
 # are ignored as extra="allow" lets them through).
-UNSUPPORTED_FIELDS = ("functions", "function_call", "allowed_token_ids", "bad_words", "structured_outputs",
+UNSUPPORTED_FIELDS = ("functions", "function_call", "structured_outputs",
                       "guided_json", "guided_regex", "guided_choice", "guided_grammar", "use_beam_search",
                       "include_stop_str_in_output", "truncate_prompt_tokens", "logits_processors",
                       "prompt_logprobs", "audio")

@@ -1,10 +1,11 @@
 """Per-request refusals: sampling features the tree acceptance walk does not implement.
 
 The walk samples from softmax(logits / T) filtered by top-k / top-p (or takes the argmax) after
-vLLM's min_tokens, logit_bias, presence / frequency / repetition penalties and min_p, each applied
+vLLM's allowed_token_ids and bad_words masks, min_tokens, logit_bias, presence / frequency /
+repetition penalties and min_p, each applied
 to a node's logits for that node's own prefix (runner.py, ddtree.tree.processing): exactly vLLM's rule
 for requests without the features below. Those change the target distribution in ways the walk
-does not reproduce (masks, grammars) or ask for outputs it does not produce (logprobs
+does not reproduce (grammars, custom logits processors) or ask for outputs it does not produce (logprobs
 of chosen token ids), so such requests are refused up front with a message
 naming the parameter, instead of being served with a silently different distribution.
 """
@@ -18,8 +19,6 @@ from ddtree.vllm.config import settings_of
 def unsupported_params(params) -> list[str]:
     """Names (with values) of the set SamplingParams fields DDTree refuses."""
     checks = [
-        ("allowed_token_ids", params.allowed_token_ids is not None),
-        ("bad_words", bool(params.bad_words)),
         ("logprob_token_ids", getattr(params, "logprob_token_ids", None) is not None),
         ("structured_outputs", params.structured_outputs is not None),
         ("logits_processors", bool(getattr(params, "logits_processors", None))),

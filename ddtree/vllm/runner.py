@@ -238,11 +238,12 @@ class DDTreeRunnerMixin:
 
     def _processing_params(self, r: int):
         """The SamplingParams of batch row r if its logits need processing (penalties,
-        logit_bias, min_tokens, min_p), else None."""
+        logit_bias, min_tokens, min_p, allowed_token_ids, bad_words), else None."""
         params = self.requests[self.input_batch.req_ids[r]].sampling_params
         if params is None or not (params.presence_penalty or params.frequency_penalty or params.logit_bias
                                   or params.min_tokens or params.repetition_penalty not in (None, 1.0)
-                                  or (params.min_p and params.temperature > 0)):
+                                  or (params.min_p and params.temperature > 0)
+                                  or params.allowed_token_ids is not None or params.bad_words_token_ids):
             return None
         return params
 
@@ -263,7 +264,8 @@ class DDTreeRunnerMixin:
             [sp.frequency_penalty for sp in params], [sp.presence_penalty for sp in params],
             [(sp.min_tokens or 0) - len(out) for sp, out in zip(params, outputs)],
             [sorted(sp.all_stop_token_ids) for sp in params], logits.shape[-1], logits.device,
-            min_p=[sp.min_p for sp in params], temperature=[sp.temperature for sp in params])
+            min_p=[sp.min_p for sp in params], temperature=[sp.temperature for sp in params],
+            allowed=[sp.allowed_token_ids for sp in params], bad_words=[sp.bad_words_token_ids for sp in params])
         at = torch.tensor(picks, device=logits.device)
         depth0 = torch.zeros(len(picks), 1, dtype=torch.long, device=logits.device)
         out = process_tree_logits(logits[at][:, None, :], depth0, depth0, None, p)[:, 0]
