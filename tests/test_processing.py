@@ -165,7 +165,7 @@ def test_min_tokens_holds_back_eos_and_stop_strings(smol, tokenizer, prompts):
     (dict(logit_bias={3: 101}), "logit_bias"), (dict(min_tokens=20, max_tokens=10), "min_tokens"),
     (dict(min_p=1.5), "min_p"), (dict(allowed_token_ids=[]), "allowed_token_ids"),
     (dict(allowed_token_ids=[-1]), "allowed_token_ids"), (dict(bad_words=[" "]), "bad_words"),
-    (dict(bad_words="word"), "bad_words")])
+    (dict(bad_words="word"), "bad_words"), (dict(bad_words=["w"] * 129), "bad_words")])
 def test_bad_processing_rejected(kw, field):
     with pytest.raises(ValueError, match=field):
         SamplingParams(**kw)

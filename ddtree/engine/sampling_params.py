@@ -4,6 +4,7 @@ import math
 from dataclasses import dataclass, field
 
 MAX_LOGPROBS = 20  # most likely tokens a request may ask for per position (as OpenAI's top_logprobs)
+MAX_BAD_WORDS = 128  # each is matched at every tree node of every round (vLLM's default cap too)
 
 
 @dataclass
@@ -99,6 +100,8 @@ class SamplingParams:
         if self.bad_words is not None and (not isinstance(self.bad_words, list) or not all(
                 isinstance(w, str) and w.strip() for w in self.bad_words)):
             raise ValueError(f"bad_words must be a list of non-blank strings, got {self.bad_words!r}")
+        if self.bad_words is not None and len(self.bad_words) > MAX_BAD_WORDS:
+            raise ValueError(f"bad_words has {len(self.bad_words)} words, more than {MAX_BAD_WORDS}")
         if isinstance(self.min_tokens, bool) or not isinstance(self.min_tokens, int) \
                 or not 0 <= self.min_tokens <= self.max_tokens:
             raise ValueError(f"min_tokens must be an integer in [0, max_tokens={self.max_tokens}], "
