@@ -479,8 +479,15 @@ def test_openapi_fuzz_no_5xx(server):
                     body["logprobs"] = True
                 if isinstance(body.get("logit_bias"), dict):
                     body["logit_bias"] = {str(i): v for i, v in enumerate(body["logit_bias"].values())}
+                # ... and content the server can template (the schema lets it be null, as OpenAI's
+                # assistant messages with tool calls).
+                for m in body.get("messages") or []:
+                    if isinstance(m, dict) and m.get("content") is None:
+                        m["content"] = "hi"
                 p = body.get("prompt")
-                if isinstance(p, list) and p and isinstance(p[0], int):
+                if p == "" or p == []:
+                    body["prompt"] = "hi"
+                elif isinstance(p, list) and p and isinstance(p[0], int):
                     body["prompt"] = [t % 1000 for t in p]
                 elif isinstance(p, list) and p and isinstance(p[0], list):
                     body["prompt"] = [[t % 1000 for t in x] for x in p]
