@@ -319,6 +319,13 @@ def test_stop_string_and_token_ids(server):
                                                      temperature=0, stop=stop, stream=True))
     assert "".join(ch.choices[0].text for ch in streamed) == want
     assert streamed[-1].choices[0].finish_reason == "stop"
+    # Extension: include_stop_str_in_output (vLLM's) keeps the stop string, streamed or not.
+    for stream in (False, True):
+        out = server.client.completions.create(model=MODEL, prompt=prompt, max_tokens=N_TOKENS, temperature=0,
+                                               stop=[stop], stream=stream,
+                                               extra_body={"include_stop_str_in_output": True})
+        text = "".join(ch.choices[0].text for ch in out) if stream else out.choices[0].text
+        assert text == want + stop
     # Extension: stop_token_ids (the third generated token), and per-request speculative settings.
     k = ref.token_ids.index(ref.token_ids[2]) + 1
     out = server.client.completions.create(model=MODEL, prompt=prompt, max_tokens=N_TOKENS, temperature=0,
@@ -326,6 +333,21 @@ def test_stop_string_and_token_ids(server):
                                                        "speculative": {"method": "ddtree", "budget": 4}})
     assert out.choices[0].finish_reason == "stop" and out.usage.completion_tokens == k
     assert out.choices[0].text == server.tokenizer.decode(ref.token_ids[:k], skip_special_tokens=True)
+
+
+def test_truncate_prompt_tokens_keeps_the_last_tokens(server):
+    """vLLM's truncate_prompt_tokens: the same completion as sending the last k tokens; echo shows them."""
+    ids = server.tokenizer.encode(PROMPTS[0], add_special_tokens=False)
+    k = len(ids) // 2
+    want = server.client.completions.create(model=MODEL, prompt=ids[-k:], max_tokens=N_TOKENS, temperature=0)
+    out = server.client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=N_TOKENS, temperature=0,
+                                           echo=True, extra_body={"truncate_prompt_tokens": k})
+    assert out.usage.prompt_tokens == k and want.usage.prompt_tokens == k
+    assert out.choices[0].text == server.tokenizer.decode(ids[-k:]) + want.choices[0].text
+    assert want.choices[0].text != server.ref[PROMPTS[0]].text  # the cut changed the completion
+    whole = server.client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=N_TOKENS, temperature=0,
+                                             extra_body={"truncate_prompt_tokens": -1})
+    assert whole.choices[0].text == server.ref[PROMPTS[0]].text  # shorter than the context: untouched
 
 
 def test_token_id_prompts_and_batch(server):
@@ -409,8 +431,9 @@ BAD = [
     ("chat", {"messages": CHAT, "allowed_token_ids": []}, "allowed_token_ids", None),
     ("completions", {"prompt": "hi", "allowed_token_ids": [5, 99999999]}, "allowed_token_ids", None),
     ("chat", {"messages": CHAT, "structured_outputs": {"regex": "a+"}}, "structured_outputs", "unsupported_parameter"),
-    ("completions", {"prompt": "hi", "include_stop_str_in_output": True}, "include_stop_str_in_output",
-     "unsupported_parameter"),
+    ("completions", {"prompt": "hi", "truncate_prompt_tokens": 0}, "truncate_prompt_tokens", None),
+    ("chat", {"messages": CHAT, "truncate_prompt_tokens": -2}, "truncate_prompt_tokens", None),
+    ("chat", {"messages": CHAT, "use_beam_search": True}, "use_beam_search", "unsupported_parameter"),
 ]
 
 

@@ -407,7 +407,10 @@ class LLMEngine:
 
             cut = first_stop(text)
             if cut is not None:
-                text = text[:cut]
+                if seq.params.include_stop_str_in_output:  # the first listed stop string found there
+                    text = text[:cut + next(len(s) for s in stops if text.startswith(s, cut))]
+                else:
+                    text = text[:cut]
                 # Drop tokens past the one that completed the stop string.
                 for n in range(min_tokens + 1, len(out) + 1):
                     if first_stop(self.tokenizer.decode(out[:n], skip_special_tokens=True)) is not None:

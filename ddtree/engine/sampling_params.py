@@ -16,7 +16,8 @@ class SamplingParams:
     first (computed by the prefill). As vLLM's: ``allowed_token_ids`` are the only tokens that
     may be sampled; ``bad_words`` (strings, tokenized by the engine with and without a leading
     space) may not be completed: a word's last token is masked where the output ends with its
-    other tokens; ``min_tokens`` blocks EOS and ``stop_token_ids`` (and
+    other tokens; ``include_stop_str_in_output`` keeps a matched stop string in the text;
+    ``min_tokens`` blocks EOS and ``stop_token_ids`` (and
     stop strings ending within them) until that many tokens are out; ``logit_bias`` {token id:
     bias} is added to the logits; then the penalties: ``repetition_penalty`` (1 = off) for prompt
     and output tokens, ``frequency_penalty`` / ``presence_penalty`` (0 = off) for output tokens;
@@ -40,6 +41,7 @@ class SamplingParams:
     min_p: float = 0.0
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
+    include_stop_str_in_output: bool = False
 
     @property
     def processes_logits(self) -> bool:
@@ -102,6 +104,8 @@ class SamplingParams:
             raise ValueError(f"bad_words must be a list of non-blank strings, got {self.bad_words!r}")
         if self.bad_words is not None and len(self.bad_words) > MAX_BAD_WORDS:
             raise ValueError(f"bad_words has {len(self.bad_words)} words, more than {MAX_BAD_WORDS}")
+        if not isinstance(self.include_stop_str_in_output, bool):
+            raise ValueError(f"include_stop_str_in_output must be true or false, got {self.include_stop_str_in_output!r}")
         if isinstance(self.min_tokens, bool) or not isinstance(self.min_tokens, int) \
                 or not 0 <= self.min_tokens <= self.max_tokens:
             raise ValueError(f"min_tokens must be an integer in [0, max_tokens={self.max_tokens}], "

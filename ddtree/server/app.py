@@ -176,6 +176,14 @@ class OpenAIServer:
             ids = ids["input_ids"]
         return list(ids)
 
+    def truncate(self, text: str | None, tokens: list[int], k: int) -> tuple[str | None, list[int]]:
+        """vLLM's truncate_prompt_tokens: the last k tokens (an echo then shows their text)."""
+        if k == 0:
+            raise ApiError(400, "truncate_prompt_tokens must be -1 or an integer >= 1, got 0",
+                           param="truncate_prompt_tokens")
+        k = self.max_model_len - 1 if k == -1 else k
+        return (text, tokens) if len(tokens) <= k else (None, tokens[-k:])
+
     def sampling_params(self, req, num_prompt_tokens: int, kind: str) -> SamplingParams:
         max_tokens = req.max_tokens
         if kind == "chat" and req.max_completion_tokens is not None:
@@ -217,7 +225,8 @@ class OpenAIServer:
             presence_penalty=req.presence_penalty or 0.0, frequency_penalty=req.frequency_penalty or 0.0,
             repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
             logit_bias=bias, min_tokens=req.min_tokens or 0, min_p=req.min_p or 0.0,
-            allowed_token_ids=req.allowed_token_ids, bad_words=req.bad_words or None)
+            allowed_token_ids=req.allowed_token_ids, bad_words=req.bad_words or None,
+            include_stop_str_in_output=bool(req.include_stop_str_in_output))
 
     def speculative(self, req) -> dict:
         """Per-request {method, budget}: passed to the engine when it takes them; until then only
@@ -296,6 +305,8 @@ class OpenAIServer:
                 prompts = [(None, self.encode_chat(req))]
             else:
                 prompts = self.encode_prompts(req)
+            if req.truncate_prompt_tokens is not None:
+                prompts = [self.truncate(text, tokens, req.truncate_prompt_tokens) for text, tokens in prompts]
             n = req.n or 1
             if len(prompts) * n > MAX_CHOICES:
                 raise ApiError(400, f"at most {MAX_CHOICES} choices per request (prompts x n), got "

@@ -62,6 +62,10 @@ class _SamplingRequest(_Strict):
                                                                           "that may be sampled")
     bad_words: list[str] | None = Field(default=None, description="extension (vLLM's): words that may not be "
                                                                   "generated (with or without a leading space)")
+    include_stop_str_in_output: bool | None = Field(default=False, description="extension (vLLM's): keep the "
+                                                                              "stop string that ended the text")
+    truncate_prompt_tokens: int | None = Field(default=None, ge=-1, description="extension (vLLM's): keep the last "
+                                               "k prompt tokens; -1 = as many as leave room for one output token")
     user: str | None = None
 
 
@@ -138,7 +142,7 @@ class ApiError(Exception):
 # are ignored as extra="allow" lets them through).
 UNSUPPORTED_FIELDS = ("functions", "function_call", "structured_outputs",
                       "guided_json", "guided_regex", "guided_choice", "guided_grammar", "use_beam_search",
-                      "include_stop_str_in_output", "truncate_prompt_tokens", "logits_processors",
+                      "logits_processors",
                       "prompt_logprobs", "audio")
 
 
