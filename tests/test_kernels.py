@@ -65,7 +65,8 @@ def float64_attention(q, k_cache, v_cache, ctx: AttentionContext, scale: float) 
     for i in range(ctx.num_seqs):
         c, n = int(ctx.cached_lens[i]), starts[i + 1] - starts[i]
         pos = torch.arange(c + n)
-        slots = ctx.block_tables[i].cpu()[pos // PAGE] * PAGE + pos % PAGE
+        page = ctx.block_size
+        slots = ctx.block_tables[i].cpu()[pos // page] * page + pos % page
         k = k_cache.cpu()[slots].double()
         v = v_cache.cpu()[slots].double()
         for j in range(n):
@@ -282,6 +283,33 @@ def test_tree_attention_reads_strided_metadata():
     packed[:, 3:] = ctx.block_tables
     ctx.cached_lens, ctx.block_tables = packed[:, 1], packed[:, 3:]
     assert torch.equal(tree_attention(q, k, v, ctx, 0.25), want)
+
+
+def compiled_variants(kernel) -> int:
+    return sum(len(cache[0]) for cache in getattr(kernel, "device_caches", {}).values())
+
+
+@needs_kernels
+def test_contiguous_contexts_compile_one_kernel_for_every_length():
+    """Full forwards (test references, drafter training) put fresh sequences back to back in
+    one-slot pages: mixed lengths attend causally within their own sequence, and a new length
+    compiles no new kernel variant (a page per longest sequence compiled one per length)."""
+    from ddtree.kernels.triton_attention import _tree_attention_kernel
+    gen = torch.Generator().manual_seed(13)
+    lengths = [3, 7, 5]
+    k, v = (torch.randn(sum(lengths), 2, 16, generator=gen).to(DEVICE) for _ in range(2))
+    q = torch.randn(sum(lengths), 6, 16, generator=gen).to(DEVICE)
+    ctx = AttentionContext.contiguous(lengths, device=DEVICE)
+    assert ctx.slot_mapping.tolist() == list(range(sum(lengths)))
+    torch.testing.assert_close(tree_attention(q, k, v, ctx, 0.25).cpu().double(),
+                               float64_attention(q, k, v, ctx, 0.25), atol=1e-5, rtol=1e-5)
+    # one launch plan for every length, so only the context could make a new variant
+    plan = dict(splits=1, rows_per_query=3, block_m=64, unmasked_tiles=True)
+    tree_attention(q[:8], k, v, AttentionContext.contiguous([8], device=DEVICE), 0.25, **plan)
+    before = compiled_variants(_tree_attention_kernel)
+    for n in (9, 11, 12):
+        tree_attention(q[:n], k, v, AttentionContext.contiguous([n], device=DEVICE), 0.25, **plan)
+    assert compiled_variants(_tree_attention_kernel) == before
 
 
 @pytest.mark.parametrize("budget,depth,vocab", [(1, 4, 9), (3, 3, 5), (8, 6, 7), (32, 15, 50), (100, 5, 3),
