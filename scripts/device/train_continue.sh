@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# Continue the shipped drafter on fresh responses (phases 3-10 of the model card, 11 planned): a greedy pass and
+# Continue the shipped drafter on fresh responses (phases 3-11 of the model card): a greedy pass and
 # a seeded T=1 pass over the training prompts (T1_SEED: use one the drafter has not seen;
-# phase 3 used 1, phase 4 used 2, phase 5 used 3, phase 6 used 4, phase 7 5 and 6, phase 8 7, phase 9 8, phase 10 9; until
+# phase 3 used 1, phase 4 used 2, phase 5 used 3, phase 6 used 4, phase 7 5 and 6, phase 8 7, phase 9 8, phase 10 9, phase 11 10; until
 # 2026-12-04 the seed did not reach the engine's CUDA sampler, so phases 6 and 7 got the same T=1
 # responses: use 10 or more), --distill 0.5, a fresh AdamW from the shipped
 # weights, and the cosine fitted to the device time (`--minutes`: the learning rate reaches zero
@@ -65,9 +65,18 @@
 # lzma; `ddtree train-drafter pack`); copy them into .stage/ here and carry them into /tmp/stage in
 # an extra staging call of a later phase on the same prompts file: `start` unpacks them, resumes
 # the greedy pass where it was cut (or skips it: ~3 minutes of device time) and trains on every
-# pass it has, old and new. Suggested: GEN_MINUTES=2.5 T1_SEED=10 START_SECONDS=540 LAST_MINUTES=5.5
-# (the passes stop at ~83 % of the prompts and training keeps phase 10's ~8 minutes; phase 12 finishes
-# the carried greedy pass where it stopped).
+# pass it has, old and new.
+# Phase 11 ran (2026-12-06, twelfth session, one H100, after six refused device starts had spent 950
+# of the 1,800 s) shortened to what was left, after the three staging calls, as one batch:
+#   cp .stage/gguf.r06 .stage/tp.gz.01 /tmp/stage/ && cat /tmp/stage/tp.gz.0* | gunzip > /tmp/stage/train_prompts.jsonl &&
+#   GEN_MINUTES=1.3 T1_SEED=10 START_SECONDS=400 LAST_MINUTES=3.0 bash scripts/device/train_continue.sh start  # 412 s
+#   LAST_MINUTES=3.0 bash scripts/device/train_continue.sh finish                                               # 270 s
+# Its passes stopped at 22,528 (greedy) and 24,576 (seed 10) of the 43,240 prompts; both came back
+# packed and are kept in this workspace's .stage/greedy.rsp and .stage/t1_seed10.rsp (copies in
+# .stage/phase11/; stage.sh cannot remake them: they are the device's outputs). Phase 12: carry
+# t1_seed10.rsp with the first staging call and greedy.rsp with the second (each still fits under
+# the 64 MiB beside two GGUF parts), `cp` them into /tmp/stage there; `start` then resumes the
+# greedy pass at prompt 22,529 and adds a new seed (T1_SEED=11).
 # The run's checkpoint lives in the machine's /tmp (its optimizer state is too big for $OUT), so
 # `start` also brings its weights back (partial_model.safetensors.p*, partial_small.tar): if the
 # machine goes back between calls (it did on 2026-12-03, after the first try at phase 5's first call), restage,
