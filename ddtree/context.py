@@ -21,6 +21,17 @@ def slots_for(block_tables: torch.Tensor, positions: torch.Tensor, block_size: i
     return blocks * block_size + positions % block_size
 
 
+_QUERY_STARTS: dict = {}
+
+
+def _query_starts(num_seqs: int, num_new: int, device) -> torch.Tensor:
+    """``[0, n, 2n, ...]``, made once per shape (read only, so a captured graph may keep it)."""
+    key = (num_seqs, num_new, str(device))
+    if key not in _QUERY_STARTS:
+        _QUERY_STARTS[key] = torch.arange(num_seqs + 1, device=device) * num_new
+    return _QUERY_STARTS[key]
+
+
 @dataclass
 class AttentionContext:
     block_tables: torch.Tensor         # [N, W] blocks of every sequence
@@ -32,6 +43,8 @@ class AttentionContext:
     max_keys: int                      # host bound on cached + new tokens per sequence
     mask: str = "causal"
     tree_mask: torch.Tensor | None = None  # [N, max_queries, max_queries] bool, mask == "tree"
+    positions: torch.Tensor | None = None  # [T] of the new tokens (``uniform``)
+    rope: torch.Tensor | None = None       # [T, 2D] their rows of a ``Rotary.table`` (``uniform``)
     _dense: tuple | None = field(default=None, repr=False)
 
     @property
@@ -56,13 +69,24 @@ class AttentionContext:
 
     @classmethod
     def uniform(cls, block_tables: torch.Tensor, cached_lens: torch.Tensor, num_new: int, block_size: int,
-                max_keys: int, mask: str = "causal", tree_mask: torch.Tensor | None = None) -> "AttentionContext":
-        """Every sequence adds ``num_new`` tokens; no host reads (CUDA-graph safe)."""
+                max_keys: int, mask: str = "causal", tree_mask: torch.Tensor | None = None,
+                depths: torch.Tensor | None = None, rope_table: torch.Tensor | None = None) -> "AttentionContext":
+        """Every sequence adds ``num_new`` tokens; no host reads (CUDA-graph safe). Also sets
+        ``positions`` (``cached_lens + depths`` for a tree's nodes, else consecutive) and, with
+        a ``Rotary.table``, their ``rope`` rows: on CUDA all of it in one launch."""
         N, device = block_tables.shape[0], block_tables.device
-        q = torch.arange(num_new, device=device)
-        slots = slots_for(block_tables, cached_lens[:, None] + q[None, :], block_size).reshape(-1)
-        starts = torch.arange(N + 1, device=device) * num_new
-        return cls(block_tables, cached_lens, starts, slots, block_size, num_new, max_keys, mask, tree_mask)
+        starts = _query_starts(N, num_new, device)
+        from ddtree.kernels import triton_enabled
+        if triton_enabled(cached_lens):
+            from ddtree.kernels.triton_meta import uniform_meta
+            slots, positions, rope = uniform_meta(block_tables, cached_lens, num_new, block_size, depths, rope_table)
+        else:
+            q = torch.arange(num_new, device=device)
+            slots = slots_for(block_tables, cached_lens[:, None] + q[None, :], block_size).reshape(-1)
+            positions = (cached_lens[:, None] + (q[None, :] if depths is None else depths)).reshape(-1)
+            rope = None if rope_table is None else rope_table[positions.clamp(0, rope_table.shape[0] - 1)]
+        return cls(block_tables, cached_lens, starts, slots, block_size, num_new, max_keys, mask, tree_mask,
+                   positions, rope)
 
     @classmethod
     def contiguous(cls, lengths: list[int], device=None) -> "AttentionContext":

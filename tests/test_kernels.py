@@ -339,6 +339,39 @@ def test_triton_tree_builder_matches_torch_builder(budget, depth, vocab):
     assert got[3][:, 0, 0].all() and got[3].sum() > 0
 
 
+@pytest.mark.parametrize("budget,depth", [(8, 6), (63, 15), (3, 3)])
+@needs_kernels
+def test_triton_accept_walk_matches_torch(budget, depth):
+    """The fused walk returns the torch walk's path, accepted count and bonus token, on trees
+    where the target's samples follow a random root path for a random number of steps (from
+    nothing accepted to a leaf), and on a chain."""
+    from ddtree.kernels.triton_tree import accept_walk_triton
+    from ddtree.tree import accept_walk, ancestor_mask, build_tree_batched, chain_tree, with_root
+    gen = torch.Generator().manual_seed(budget)
+    N, vocab = 12, 6
+    lp = torch.log_softmax(torch.randn(N, depth, vocab, generator=gen) * 2, -1)
+    trees = [with_root(torch.arange(N) % vocab, *build_tree_batched(lp, budget))]
+    trees.append(with_root(torch.arange(N) % vocab, *chain_tree(lp)))
+    for tokens, parents, depths in trees:
+        T = tokens.shape[1]
+        samples = torch.randint(vocab, 2 * vocab, (N, T), generator=gen)  # no token: accepts only below
+        for n in range(N):  # walk down: the target samples one child's token at each step
+            node, steps = 0, n % (depth + 1)
+            for _ in range(steps):
+                kids = [c for c in range(1, T) if parents[n, c] == node]
+                if not kids:
+                    break
+                child = kids[int(torch.randint(0, len(kids), (1,), generator=gen))]
+                samples[n, node] = tokens[n, child]
+                node = child
+        max_depth = min(depth, T - 1)
+        want = accept_walk(tokens, parents, depths, samples, max_depth, ancestor_mask(parents, max_depth))
+        got = accept_walk_triton(*(x.to(DEVICE) for x in (tokens, parents, depths, samples)), max_depth)
+        for w, g in zip(want, got):
+            assert torch.equal(w, g.cpu())
+        assert want[1].max() > 2 and want[1].min() == 1  # deep paths and nothing accepted both occur
+
+
 def topk_inputs(k: int, vocab: int) -> torch.Tensor:
     """[3, 3, vocab] log-probs: spread rows, heavy ties (-0.0 among them), and a row whose top
     k+2 entries sit together (one chunk holds the whole top)."""
@@ -442,6 +475,39 @@ def test_triton_kv_compaction_matches_torch(dtype):
     compact_kv_triton(got, path.to(DEVICE), num_accepted.to(DEVICE), slots.to(DEVICE))
     assert torch.equal(got.cpu(), want)
     assert not torch.equal(want, kv)  # the case moves something
+
+
+@pytest.mark.parametrize("num_new,with_depths,with_rope", [(1, False, True), (5, True, True), (16, False, False)])
+@needs_kernels
+def test_uniform_meta_matches_torch(num_new, with_depths, with_rope):
+    """One launch gives the slots, positions and rotary rows that the torch path of
+    AttentionContext.uniform computes, from strided views of a step's input buffer (as a
+    captured round reads them); a position past the rope table reads its last row."""
+    from ddtree.kernels.triton_meta import uniform_meta
+    from ddtree.models.layers import Rotary
+    gen = torch.Generator().manual_seed(1)
+    N, width = 4, 6
+    ints = torch.zeros(N, 3 + width, dtype=torch.long)
+    ints[:, 3:] = torch.randperm(40, generator=gen)[:N * width].view(N, width)
+    ints[:, 1] = torch.tensor([0, 3, 9, 21])  # the last one runs past the table's width: clamped
+    tables, cached = ints[:, 3:], ints[:, 1]
+    depths = torch.randint(0, 4, (N, num_new), generator=gen) if with_depths else None
+    table = Rotary(8, 10000.0).table(24) if with_rope else None
+    want = AttentionContext.uniform(tables, cached, num_new, PAGE, 64, depths=depths, rope_table=table)
+    slots, positions, rope = uniform_meta(tables.to(DEVICE), cached.to(DEVICE), num_new, PAGE,
+                                          None if depths is None else depths.to(DEVICE),
+                                          None if table is None else table.to(DEVICE))
+    assert torch.equal(slots.cpu(), want.slot_mapping)
+    assert torch.equal(positions.cpu(), want.positions)
+    if with_rope:
+        assert torch.equal(rope.cpu(), want.rope)
+        assert int(want.positions.max()) >= table.shape[0] or num_new == 1
+        cos, sin = Rotary.split(want.rope)
+        ok = want.positions < table.shape[0]
+        ref_cos, ref_sin = Rotary(8, 10000.0).cos_sin(want.positions[ok])
+        assert torch.equal(cos[ok], ref_cos) and torch.equal(sin[ok], ref_sin)
+    else:
+        assert rope is None
 
 
 @needs_kernels

@@ -28,7 +28,6 @@ from ddtree.models.decoder import DecoderLM
 from ddtree.models.dflash import DFlashDrafter
 from ddtree.tree import (Processing, accept_walk, ancestor_mask, build_tree_batched, chain_tree,
                          compaction_moves, gather_rows, process_tree_logits, sample_from_logits, with_root)
-from ddtree.tree import positions as node_positions
 
 METHODS = ("ar", "dflash", "ddtree")
 STAGES = ("draft", "build", "verify", "accept", "commit", "context")
@@ -376,6 +375,11 @@ class ModelRunner:
         self.drafter_kv = None
         if isinstance(drafter, DFlashDrafter):
             self.drafter_kv = self._alloc_kv(drafter.kv_shape(), num_slots)
+        # Rotary rows by position, read in the launch that makes a step's slots. Past any position
+        # a step reaches: the context bound, a round's lookahead and the drafter's block.
+        rows = self.max_context + max_lookahead + getattr(drafter, "block_size", 0) + 1
+        self.target_rope = target.rotary.table(rows)
+        self.drafter_rope = drafter.rotary.table(rows) if isinstance(drafter, DFlashDrafter) else None
         self.taps = tuple(getattr(drafter, "taps", ()))
         self.eos_token_ids: set[int] = set()  # blocked by min_tokens (set by the engine)
         # Seed of the Triton sampler (CUDA), advanced on the device by every sampled round (graphs
@@ -793,9 +797,9 @@ class ModelRunner:
             return self.drafter.draft_logprobs(seqs).to(self.device)
         S, N = self.drafter.block_size, inp.roots.shape[0]
         embeds = self.drafter.block_embeddings(inp.roots, self.target.model.embed_tokens)
-        positions = (inp.starts[:, None] + torch.arange(S, device=self.device)).reshape(-1)
-        ctx = AttentionContext.uniform(inp.tables, inp.starts, S, self.blocks.block_size, max_keys, mask="full")
-        hidden = self.drafter(embeds, positions, self.drafter_kv, ctx).view(N, S, -1)[:, 1:1 + self.draft_depth(kind)]
+        ctx = AttentionContext.uniform(inp.tables, inp.starts, S, self.blocks.block_size, max_keys, mask="full",
+                                       rope_table=self.drafter_rope)
+        hidden = self.drafter(embeds, ctx.positions, self.drafter_kv, ctx).view(N, S, -1)[:, 1:1 + self.draft_depth(kind)]
         hidden = hidden.to(self.dtype)
         if raw and kind.method == "dflash" and triton_enabled(hidden):
             # the chain reads only each depth's argmax: the fused LM head returns it, no logits
@@ -848,14 +852,15 @@ class ModelRunner:
         (``lm_head_sample_triton``): the round's per-node target tokens come back instead of
         [N, T, V] fp32 logits."""
         N, T = tree.tokens.shape
-        positions = node_positions(inp.starts, tree.depths).reshape(-1)
         if kind.method == "ddtree":
             ctx = AttentionContext.uniform(inp.tables, inp.starts, T, self.blocks.block_size, max_keys,
-                                           mask="tree", tree_mask=tree.ancestors)
-        else:  # a chain's mask is causal
-            ctx = AttentionContext.uniform(inp.tables, inp.starts, T, self.blocks.block_size, max_keys)
+                                           mask="tree", tree_mask=tree.ancestors, depths=tree.depths,
+                                           rope_table=self.target_rope)
+        else:  # a chain's mask is causal and its node k sits at depth k
+            ctx = AttentionContext.uniform(inp.tables, inp.starts, T, self.blocks.block_size, max_keys,
+                                           rope_table=self.target_rope)
         taps = self.taps if (kind.method != "ar" or kind.store_context) else ()
-        hidden, tapped = self.target(tree.tokens.reshape(-1), positions, self.target_kv, ctx, taps)
+        hidden, tapped = self.target(tree.tokens.reshape(-1), ctx.positions, self.target_kv, ctx, taps)
         tapped = tapped.view(N, T, -1) if tapped is not None else None
         slots = ctx.slot_mapping.view(N, T)
         if (kind.sampling != "filtered" and not need_logits and triton_enabled(hidden)
@@ -875,6 +880,9 @@ class ModelRunner:
         if kind.method == "ar":  # a root-only tree: the walk's answer without its kernels
             path = torch.zeros_like(tree.tokens)
             return path, torch.ones_like(inp.roots), samples[:, 0]
+        if triton_enabled(samples):  # one launch instead of ~18 small ones
+            from ddtree.kernels.triton_tree import accept_walk_triton
+            return accept_walk_triton(tree.tokens, tree.parents, tree.depths, samples, tree.max_depth)
         return accept_walk(tree.tokens, tree.parents, tree.depths, samples, tree.max_depth, tree.ancestors)
 
     def commit(self, kind: StepKind, tree: Tree, accepted, slots):
@@ -902,7 +910,9 @@ class ModelRunner:
         if kind.method == "ar" and self.tap_cache is not None:  # deferred: see catch_up
             self.tap_cache[dst[:, 0]] = taps[:, 0]
             return
-        L = path.shape[1]
-        positions = (inp.starts[:, None] + torch.arange(L, device=self.device)).reshape(-1)
-        self.drafter.store_context(gather_rows(taps, path).reshape(-1, taps.shape[-1]), positions,
-                                   self.drafter_kv, dst.reshape(-1))
+        # The accepted nodes' slots (dst) are the first L of the verified tree's: the slots of L
+        # new tokens from the root on, made here with their positions and rotary rows.
+        ctx = AttentionContext.uniform(inp.tables, inp.starts, path.shape[1], self.blocks.block_size, 0,
+                                       rope_table=self.drafter_rope)
+        self.drafter.store_context(gather_rows(taps, path).reshape(-1, taps.shape[-1]), ctx.positions,
+                                   self.drafter_kv, ctx.slot_mapping, ctx.rope)

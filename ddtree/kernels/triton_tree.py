@@ -545,3 +545,53 @@ def compact_kv_triton(kv: torch.Tensor, path: torch.Tensor, num_accepted: torch.
     _compact_kv_kernel[(N, layers * two)](
         kv, path, num_accepted.contiguous(), slots, num_slots * row, path.stride(0), slots.stride(0),
         L=L, L_P2=triton.next_power_of_2(L), ROW=row, ROW_P2=triton.next_power_of_2(row), num_warps=4)
+
+
+@triton.jit
+def _accept_walk_kernel(TOK, PAR, DEP, SAMP, PATH, NUM_ACC, BONUS, stride_tok, stride_par, stride_dep, stride_samp,
+                        stride_path, T, T_P2: tl.constexpr, L: tl.constexpr, L_P2: tl.constexpr,
+                        MAX_DEPTH: tl.constexpr):
+    """One sequence: ``accept_walk`` (the parent-pointer form) in registers."""
+    n = tl.program_id(0).to(tl.int64)
+    i = tl.arange(0, T_P2)
+    valid = i < T
+    par = tl.load(PAR + n * stride_par + i, mask=valid, other=0).to(tl.int32)
+    tok = tl.load(TOK + n * stride_tok + i, mask=valid, other=-1)
+    samp = tl.load(SAMP + n * stride_samp + i, mask=valid, other=-2)
+    # Node i matches when its token is what the target sampled at its parent; the root always.
+    root = (i == 0).to(tl.int32)
+    match = tl.maximum((valid & (tok == tl.gather(samp, par, 0))).to(tl.int32), root)
+    alive = root
+    for _ in range(MAX_DEPTH):  # alive: it and every ancestor below the root match
+        alive = tl.maximum(root, match * tl.gather(alive, par, 0))
+    dep = tl.load(DEP + n * stride_dep + i, mask=valid, other=0)
+    alive_depth = tl.where((alive > 0) & valid, dep, -1)
+    last_depth = tl.max(alive_depth, 0)
+    last = tl.min(tl.where(alive_depth == last_depth, i, T_P2), 0)  # one alive node per depth
+    # Path: node k is last_depth - k parent steps above the last node (past the end: the last).
+    k = tl.arange(0, L_P2)
+    up = tl.maximum(last_depth - k, 0)
+    cur = tl.zeros([L_P2], tl.int32) + last
+    for s in range(MAX_DEPTH):
+        cur = tl.where(up > s, tl.gather(par, cur, 0), cur)
+    tl.store(PATH + n * stride_path + k, cur.to(tl.int64), mask=k < L)
+    tl.store(NUM_ACC + n, (last_depth + 1).to(tl.int64))
+    tl.store(BONUS + n, tl.load(SAMP + n * stride_samp + last))
+
+
+def accept_walk_triton(tokens: torch.Tensor, parents: torch.Tensor, depths: torch.Tensor, samples: torch.Tensor,
+                       max_depth: int):
+    """``ddtree.tree.accept_walk`` in one launch: (path [N, max_depth+1], num_accepted [N], bonus [N])."""
+    N, T = tokens.shape
+    L = max_depth + 1
+    path = torch.empty(N, L, dtype=torch.long, device=tokens.device)
+    num_accepted = torch.empty(N, dtype=torch.long, device=tokens.device)
+    bonus = torch.empty(N, dtype=samples.dtype, device=tokens.device)
+    for x in (tokens, parents, depths, samples):
+        assert x.stride(1) == 1, "rows must be contiguous"
+    t_p2 = triton.next_power_of_2(T)
+    _accept_walk_kernel[(N,)](
+        tokens, parents, depths, samples, path, num_accepted, bonus, tokens.stride(0), parents.stride(0),
+        depths.stride(0), samples.stride(0), path.stride(0), T, T_P2=t_p2, L=L, L_P2=triton.next_power_of_2(L),
+        MAX_DEPTH=max_depth, num_warps=1 if t_p2 <= 128 else 4)
+    return path, num_accepted, bonus

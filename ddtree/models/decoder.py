@@ -98,7 +98,7 @@ class DecoderLM(nn.Module):
                 ctx: AttentionContext, taps: tuple[int, ...] = ()) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Returns (final-normed hidden [T, H], concatenated tapped layer outputs [T, len(taps)*H])."""
         x, residual = self.embed(input_ids), None
-        cos, sin = self.rotary.cos_sin(positions)
+        cos, sin = self.rotary.rope_for(positions, ctx)
         H = x.shape[-1]
         tap_out = x.new_empty(x.shape[0], len(taps) * H) if taps else None
         # Layer i's output (x + residual) is summed by the next norm, which writes it here.

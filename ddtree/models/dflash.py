@@ -139,10 +139,11 @@ class DFlashDrafter(nn.Module):
         return c.num_hidden_layers, c.num_key_value_heads, c.head_dim
 
     def store_context(self, taps: torch.Tensor, positions: torch.Tensor, kv_caches: list,
-                      slot_mapping: torch.Tensor) -> None:
-        """Project committed tokens' tapped hidden states once and store their K/V in every layer."""
+                      slot_mapping: torch.Tensor, rope: torch.Tensor | None = None) -> None:
+        """Project committed tokens' tapped hidden states once and store their K/V in every layer
+        (``rope``: their rows of ``self.rotary.table``, when the caller has them)."""
         c = add_rms_norm(self.fc(taps.to(self.fc.weight.dtype)), None, self.hidden_norm)[0]
-        cos, sin = self.rotary.cos_sin(positions)
+        cos, sin = self.rotary.split(rope) if rope is not None else self.rotary.cos_sin(positions)
         if triton_enabled(c) and not torch.is_grad_enabled():
             # Every layer projects the same features: one GEMM for all layers' K/V, then each
             # layer's norm + rotary + store (a context update runs every decode step).
@@ -175,7 +176,7 @@ class DFlashDrafter(nn.Module):
         """Block hidden states [N*S, H] (final-normed). ``ctx`` (mask "full") stores the block's K/V
         after the context's, where the next commit overwrites the accepted ones."""
         x, residual = block_embeds.to(self.fc.weight.dtype), None
-        cos, sin = self.rotary.cos_sin(positions)
+        cos, sin = self.rotary.rope_for(positions, ctx)
         for layer, kv_cache in zip(self.layers, kv_caches):
             x, residual = layer(x, residual, cos, sin, kv_cache, ctx)
         return add_rms_norm(x, residual, self.norm)[0]

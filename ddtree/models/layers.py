@@ -83,6 +83,22 @@ class Rotary(nn.Module):
         emb = torch.cat([freqs, freqs], -1)
         return emb.cos(), emb.sin()
 
+    def table(self, length: int) -> torch.Tensor:
+        """[length, 2D] rows ``cos | sin`` of positions 0..length-1, computed as ``cos_sin`` computes
+        them (so a row is bit-identical to it): a step reads its rows in the launch that makes
+        its slots (``AttentionContext.uniform``) instead of five small kernels per forward."""
+        return torch.cat(self.cos_sin(torch.arange(length, device=self.inv_freq.device)), -1)
+
+    @staticmethod
+    def split(rope: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rows of ``table`` -> (cos, sin) views [T, D]."""
+        d = rope.shape[-1] // 2
+        return rope[:, :d], rope[:, d:]
+
+    def rope_for(self, positions: torch.Tensor, ctx) -> tuple[torch.Tensor, torch.Tensor]:
+        """(cos, sin) of ``positions``: the rows ``ctx`` carries when it was made with this table."""
+        return self.split(ctx.rope) if ctx is not None and ctx.rope is not None else self.cos_sin(positions)
+
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """x [T, heads, D]; cos/sin [T, D]."""
