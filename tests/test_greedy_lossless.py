@@ -128,7 +128,8 @@ def test_overlapped_rounds(smol, tokenizer, prompts, ar_reference, method, budge
 def test_overlapped_rounds_with_mixed_lengths(smol, tokenizer, prompts, ar_reference, method, budget):
     """Requests of different lengths: a round is launched behind the previous one even when a
     request may reach max_tokens within it (that request drops the round's tokens), so only the
-    first round and the rounds right after a request finished run unoverlapped."""
+    first round, the rounds right after a request finished and the last request's held rounds
+    (see test_no_round_behind_a_requests_last) run unoverlapped."""
     llm = make_llm(smol, tokenizer, method=method, budget=budget, drafter=SHIPPED, overlap_steps=True,
                    max_budget=16)
     chosen, lengths = [prompts[i] for i in (0, 5, 16, 17)], [9, 23, 40, 64]
@@ -138,7 +139,8 @@ def test_overlapped_rounds_with_mixed_lengths(smol, tokenizer, prompts, ar_refer
         assert o.token_ids == ar_reference[tuple(p)][:n] and o.finish_reason == "length"
         assert sum(o.metrics.accepted_lengths) == n
     fresh = llm.engine.runner.decode_calls - calls0 - llm.engine.overlapped_rounds
-    assert fresh <= 1 + len(chosen), fresh
+    assert fresh <= 1 + len(chosen) + llm.engine.held_rounds, fresh
+    assert llm.engine.held_rounds <= (1 if method == "ar" else 6), llm.engine.held_rounds
     assert llm.engine.blocks.num_free == llm.engine.blocks.num_blocks
 
 
@@ -164,6 +166,45 @@ def test_overlapped_rounds_stop_and_abort(smol, tokenizer, prompts, ar_reference
     assert aborted.finish_reason == "abort" and aborted.output_token_ids == ref[1][:aborted.num_output_tokens]
     assert kept.output_token_ids == ref[2]
     assert engine.blocks.num_free == engine.blocks.num_blocks
+
+
+@pytest.mark.parametrize("method,budget", [("ar", 0), ("ddtree", 12)])
+def test_no_round_behind_a_requests_last(smol, tokenizer, prompts, ar_reference, method, budget):
+    """A request alone: once the round in flight will probably reach max_tokens (plain decoding:
+    its last token; a tree: 1 in 20 of its recent rounds committed what is left), no round is
+    launched behind it, so none is dropped for the next request to wait on."""
+    llm = make_llm(smol, tokenizer, method=method, budget=budget, drafter=SHIPPED, overlap_steps=True,
+                   max_budget=16)
+    engine = llm.engine
+    for i, n in ((0, 40), (5, 37)):
+        out, = llm.generate([prompts[i]], SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))
+        assert out.token_ids == ar_reference[tuple(prompts[i])][:n]
+    assert engine.dropped_rounds == 0
+    assert engine.overlapped_rounds > 10
+    if method == "ar":  # each request's last round only
+        assert engine.held_rounds == 2
+    else:
+        assert 2 <= engine.held_rounds <= 8, engine.held_rounds
+
+
+def test_no_round_behind_a_tree_that_saw_eos(smol, tokenizer, prompts, ar_reference):
+    """EOS in a round's tree (drafted, or the target's token at a node) holds the next round
+    back: the request that ends at EOS drops no round. (A token of the reference output stands
+    in for EOS.)"""
+    llm = make_llm(smol, tokenizer, method="ddtree", budget=12, drafter=SHIPPED, overlap_steps=True,
+                   max_budget=16)
+    engine = llm.engine
+    ref = ar_reference[tuple(prompts[2])]
+    eos = ref[30]
+    engine.eos_token_ids = engine.runner.eos_token_ids = {eos}
+    out, = llm.generate([prompts[2]], SamplingParams(temperature=0, max_tokens=64))
+    assert out.token_ids == ref[:ref.index(eos) + 1] and out.finish_reason == "stop"
+    assert engine.dropped_rounds == 0 and engine.held_rounds >= 1
+    # ignore_eos: the flag does not hold rounds back
+    held = engine.held_rounds
+    out, = llm.generate([prompts[2]], SamplingParams(temperature=0, max_tokens=20, ignore_eos=True))
+    assert out.token_ids == ref[:20]
+    assert engine.held_rounds - held <= 4
 
 
 class _FakeEvent:
@@ -199,7 +240,7 @@ def _emulated_step_graph(runner_mod):
             for fn in stages:
                 fn()
             _, self.num_accepted, self.bonus = (t.clone() for t in state["out"])
-            self.packed = runner_mod.pack_outputs(*state["out"], state["accepted"][0])
+            self.packed = runner.pack(state)
             graph = self
 
             class Replay:
@@ -209,7 +250,7 @@ def _emulated_step_graph(runner_mod):
                     _, acc, bonus = state["out"]
                     graph.num_accepted.copy_(acc)
                     graph.bonus.copy_(bonus)
-                    graph.packed.copy_(runner_mod.pack_outputs(*state["out"], state["accepted"][0]))
+                    graph.packed.copy_(runner.pack(state))
 
             self.graphs, self.events = [Replay()], []
             self.h_out = [torch.zeros(self.packed.shape, dtype=torch.long) for _ in range(2)]

@@ -75,6 +75,7 @@ def run_closed_loop(llm, prompt_ids, method, budget, temperature, max_tokens, co
     runner.timer.totals.clear()
     runner.stage_seconds.clear()
     calls0, joins0 = runner.decode_calls, engine.scheduler.joins
+    held0, dropped0 = engine.held_rounds, engine.dropped_rounds
     engine.step_choices.clear()
     if engine.auto_trace is not None:
         engine.auto_trace = []
@@ -120,6 +121,9 @@ def run_closed_loop(llm, prompt_ids, method, budget, temperature, max_tokens, co
             "per_request_decode_tokens_per_s": statistics.median(decode) if decode else None,
             "tau": sum(lengths) / len(lengths), "verify_steps": len(lengths),
             "engine_decode_steps": runner.decode_calls - calls0, "joins": engine.scheduler.joins - joins0,
+            # rounds not launched behind an unread one as the batch probably ended in it, and
+            # rounds launched so and then dropped (every sequence had ended)
+            "held_rounds": engine.held_rounds - held0, "dropped_rounds": engine.dropped_rounds - dropped0,
             # time to first token: queueing + prefill + first round (joins wait, see Scheduler)
             "ttft_s_p50": ttft[len(ttft) // 2], "ttft_s_p90": ttft[int(0.9 * (len(ttft) - 1))],
             "split_s": split, "auto_choices": {f"{m}:{b}": k for (m, b), k in engine.step_choices.items()}}

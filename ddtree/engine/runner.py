@@ -105,7 +105,8 @@ class StageTimer:
 
 @dataclass
 class Launched:
-    """A decode round that is on its way: ``packed`` rows are (num_accepted, bonus, path tokens...)
+    """A decode round that is on its way: ``packed`` rows are (num_accepted, bonus, stop_ahead,
+    path tokens...)
     once ``event`` has completed (None: already complete). ``num_accepted``/``bonus`` stay on the
     device so the next round can be launched from them before the host reads anything."""
     seqs: list[Sequence]
@@ -159,8 +160,7 @@ class StepGraph:
                                  self.ints[:, 2], self.floats[:, 1])
         state = {}
         stages = list(runner.round_stages(kind, self.inputs, runner.max_context, state))
-        stages[-1] = _then(stages[-1], lambda: state.update(
-            packed=pack_outputs(*state["out"], state["accepted"][0])))
+        stages[-1] = _then(stages[-1], lambda: state.update(packed=runner.pack(state)))
         for fn in stages:  # warm up (Triton compiles, lazy weight fusion) outside capture
             fn()
         torch.cuda.synchronize()
@@ -348,10 +348,10 @@ def position_slots(lo, hi, tables, block_size: int) -> tuple[np.ndarray, np.ndar
 
 
 def pack_outputs(tokens: torch.Tensor, num_accepted: torch.Tensor, bonus: torch.Tensor,
-                 path: torch.Tensor) -> torch.Tensor:
-    """[N, 2 + 2L]: num_accepted, bonus, path tokens and path nodes (root first): one transfer to
-    the host."""
-    return torch.cat([num_accepted[:, None], bonus[:, None], tokens, path], 1)
+                 path: torch.Tensor, stop_ahead: torch.Tensor) -> torch.Tensor:
+    """[N, 3 + 2L]: num_accepted, bonus, stop_ahead, path tokens and path nodes (root first): one
+    transfer to the host."""
+    return torch.cat([num_accepted[:, None], bonus[:, None], stop_ahead[:, None], tokens, path], 1)
 
 
 class ModelRunner:
@@ -382,6 +382,7 @@ class ModelRunner:
         self.drafter_rope = drafter.rotary.table(rows) if isinstance(drafter, DFlashDrafter) else None
         self.taps = tuple(getattr(drafter, "taps", ()))
         self.eos_token_ids: set[int] = set()  # blocked by min_tokens (set by the engine)
+        self._stop_ids: tuple[tuple[int, ...], torch.Tensor] | None = None
         # Seed of the Triton sampler (CUDA), advanced on the device by every sampled round (graphs
         # too); drawn from torch's generator so LLM(seed=...) fixes it.
         self.sample_seed = (torch.randint(0, 2**62, (1,), dtype=torch.int64).to(device)
@@ -613,8 +614,7 @@ class ModelRunner:
             with self.timer(name):
                 fn()
         tokens, num_accepted, bonus = state["out"]
-        launched = Launched(seqs, kind, pack_outputs(tokens, num_accepted, bonus, state["accepted"][0]), None,
-                            num_accepted, bonus, after=after is not None)
+        launched = Launched(seqs, kind, self.pack(state), None, num_accepted, bonus, after=after is not None)
         if top:
             launched.logprobs = self.token_logprobs(state.get("raw_logits", state["verified"].logits),
                                                     state["accepted"], tokens, max(top))
@@ -716,12 +716,13 @@ class ModelRunner:
                 self.stage_seconds[name] += sec
         out, launched.path_nodes = [], []
         for seq, row in zip(launched.seqs, packed):
-            k, L = row[0], (len(row) - 2) // 2
+            k, L = row[0], (len(row) - 3) // 2
             seq.num_cached += k
             if seq.context_from == CONTEXT_PENDING:  # a deferred round behind this one: its root
                 seq.context_from = seq.num_cached
-            out.append(row[3:2 + k] + [row[1]])
-            launched.path_nodes.append(row[3 + L:2 + L + k])
+            seq.stop_ahead = bool(row[2])
+            out.append(row[4:3 + k] + [row[1]])
+            launched.path_nodes.append(row[4 + L:3 + L + k])
         if launched.logprobs is not None:
             chosen, top_ids, top_lp = (t[:n].tolist() for t in launched.logprobs)
             launched.token_logprobs = [
@@ -730,6 +731,26 @@ class ModelRunner:
                  for j in range(len(out[i]))]
                 for i, seq in enumerate(launched.seqs)]
         return out
+
+    def pack(self, state: dict) -> torch.Tensor:
+        """A round's outputs in one tensor (``pack_outputs``), with each row's ``stop_ahead``: an
+        EOS token among the tree's tokens or the target's tokens at its nodes. The tree drafts
+        past what a round accepts, so the flag says that EOS is probably near: the engine then
+        does not launch a round behind the next one, which would likely be dropped (see
+        ``LLMEngine._ends_soon``)."""
+        tree, verified = state["tree"], state["verified"]
+        stop_ids = self.stop_ids()
+        seen = (tree.tokens[..., None] == stop_ids).flatten(1).any(1)
+        if verified.samples is not None:
+            seen |= (verified.samples[..., None] == stop_ids).flatten(1).any(1)
+        return pack_outputs(*state["out"], state["accepted"][0], seen.long())
+
+    def stop_ids(self) -> torch.Tensor:
+        """The EOS ids as a device tensor (kept: a captured graph reads the same one)."""
+        key = tuple(sorted(self.eos_token_ids)) or (-1,)
+        if self._stop_ids is None or self._stop_ids[0] != key:
+            self._stop_ids = (key, torch.tensor(key, dtype=torch.long, device=self.device))
+        return self._stop_ids[1]
 
     def _graph(self, kind: StepKind, bucket: int) -> StepGraph:
         key = (kind, bucket, self.profile_stages)
