@@ -19,11 +19,10 @@ from ddtree.models.dflash import DFlashDrafter
 
 log = logging.getLogger("ddtree")
 
-# A round launched behind one that finishes every sequence is dropped, and what comes next waits
-# for it (~1.2 ms at concurrency 1 on an H100); holding it back costs the host's gap between two
-# rounds (~0.3 ms there) when the sequence goes on: hold it when at least 1 in ENDS_SOON_ODDS of a
-# sequence's last ENDS_SOON_WINDOW rounds would have finished it.
-ENDS_SOON_ODDS, ENDS_SOON_WINDOW = 4, 32
+# A round launched behind one that finishes every sequence is wasted and delays what comes next
+# by a whole round; holding it back costs ~1/20 of that when the sequence goes on: hold it when at
+# least 1 in ENDS_SOON_ODDS of a sequence's last ENDS_SOON_WINDOW rounds would have finished it.
+ENDS_SOON_ODDS, ENDS_SOON_WINDOW = 20, 32
 
 
 @dataclass
@@ -285,8 +284,8 @@ class LLMEngine:
             # Every sequence probably ends within ``prev``: a round behind it would be dropped, and
             # the next request's prefill would wait for it on the stream (~1.2 ms of its time to
             # first token on an H100, ~4 % of a 128-token DDTree request at concurrency 1). Held,
-            # it costs the host's gap between reading ``prev`` and launching it (~0.3 ms) only
-            # when the guess was wrong.
+            # it costs the host's gap between reading ``prev`` and launching it (~5 % of a round)
+            # only when the guess was wrong.
             self.held_rounds += 1
             return None
         # One group: every sequence has the same method, budget and lookahead.
@@ -305,18 +304,17 @@ class LLMEngine:
         return self._launch(seqs, seqs[0].method, seqs[0].budget, after=prev)
 
     def _ends_soon(self, seq: Sequence) -> bool:
-        """Whether the round in flight for ``seq`` (launched, not read) probably finishes it: at
-        least 1 in 4 of its recent rounds committed as many tokens as it has left, up to
-        max_tokens, the context, or the EOS the last read round's drafter expected
-        (``Sequence.eos_ahead``)."""
+        """Whether the round in flight for ``seq`` (launched, not read) probably finishes it: the
+        last read round saw EOS in its tree (``Sequence.stop_ahead``), or at least one round in
+        twenty of its recent ones committed the tokens it has left (max_tokens or the context)."""
         p = seq.params
+        if seq.stop_ahead and not p.ignore_eos:
+            return True
         left = min(p.max_tokens - seq.num_output_tokens, self.max_model_len - len(seq))
-        if seq.eos_ahead and not p.ignore_eos:
-            left = min(left, seq.eos_ahead)
         recent = seq.metrics.accepted_lengths[-ENDS_SOON_WINDOW:]
         if not recent:
             return left <= 1
-        return sum(n >= left for n in recent) * ENDS_SOON_ODDS >= len(recent)
+        return sum(n >= left for n in recent) * ENDS_SOON_ODDS > len(recent)
 
     def _read(self, launched: Launched) -> list[Sequence]:
         """Read a launched round and commit its tokens; sequences that finished or were aborted

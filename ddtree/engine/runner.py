@@ -12,7 +12,6 @@ and of sequences.
 """
 from __future__ import annotations
 
-import math
 import time
 from collections import defaultdict, deque
 from dataclasses import dataclass
@@ -106,7 +105,7 @@ class StageTimer:
 
 @dataclass
 class Launched:
-    """A decode round that is on its way: ``packed`` rows are (num_accepted, bonus, eos_ahead,
+    """A decode round that is on its way: ``packed`` rows are (num_accepted, bonus, stop_ahead,
     path tokens...)
     once ``event`` has completed (None: already complete). ``num_accepted``/``bonus`` stay on the
     device so the next round can be launched from them before the host reads anything."""
@@ -161,7 +160,7 @@ class StepGraph:
                                  self.ints[:, 2], self.floats[:, 1])
         state = {}
         stages = list(runner.round_stages(kind, self.inputs, runner.max_context, state))
-        stages[-1] = _then(stages[-1], lambda: state.update(packed=runner.pack(kind, state)))
+        stages[-1] = _then(stages[-1], lambda: state.update(packed=runner.pack(state)))
         for fn in stages:  # warm up (Triton compiles, lazy weight fusion) outside capture
             fn()
         torch.cuda.synchronize()
@@ -349,10 +348,10 @@ def position_slots(lo, hi, tables, block_size: int) -> tuple[np.ndarray, np.ndar
 
 
 def pack_outputs(tokens: torch.Tensor, num_accepted: torch.Tensor, bonus: torch.Tensor,
-                 path: torch.Tensor, eos_ahead: torch.Tensor) -> torch.Tensor:
-    """[N, 3 + 2L]: num_accepted, bonus, eos_ahead, path tokens and path nodes (root first): one
+                 path: torch.Tensor, stop_ahead: torch.Tensor) -> torch.Tensor:
+    """[N, 3 + 2L]: num_accepted, bonus, stop_ahead, path tokens and path nodes (root first): one
     transfer to the host."""
-    return torch.cat([num_accepted[:, None], bonus[:, None], eos_ahead[:, None], tokens, path], 1)
+    return torch.cat([num_accepted[:, None], bonus[:, None], stop_ahead[:, None], tokens, path], 1)
 
 
 class ModelRunner:
@@ -615,7 +614,7 @@ class ModelRunner:
             with self.timer(name):
                 fn()
         tokens, num_accepted, bonus = state["out"]
-        launched = Launched(seqs, kind, self.pack(kind, state), None, num_accepted, bonus, after=after is not None)
+        launched = Launched(seqs, kind, self.pack(state), None, num_accepted, bonus, after=after is not None)
         if top:
             launched.logprobs = self.token_logprobs(state.get("raw_logits", state["verified"].logits),
                                                     state["accepted"], tokens, max(top))
@@ -721,7 +720,7 @@ class ModelRunner:
             seq.num_cached += k
             if seq.context_from == CONTEXT_PENDING:  # a deferred round behind this one: its root
                 seq.context_from = seq.num_cached
-            seq.eos_ahead = row[2]
+            seq.stop_ahead = bool(row[2])
             out.append(row[4:3 + k] + [row[1]])
             launched.path_nodes.append(row[4 + L:3 + L + k])
         if launched.logprobs is not None:
@@ -733,33 +732,22 @@ class ModelRunner:
                 for i, seq in enumerate(launched.seqs)]
         return out
 
-    def pack(self, kind: StepKind, state: dict) -> torch.Tensor:
-        """A round's outputs in one tensor (``pack_outputs``) with each row's ``eos_ahead``."""
-        return pack_outputs(*state["out"], state["accepted"][0], self.eos_ahead(kind, state))
-
-    def eos_ahead(self, kind: StepKind, state: dict) -> torch.Tensor:
-        """[N]: how far past the round's new root the drafter first expects EOS (at a depth its
-        block reaches beyond the accepted tokens: EOS's probability there is at least a quarter
-        of the most likely token's); 0: nowhere. The block drafts 15 tokens ahead and a round
-        accepts ~4, so this sees the next round's EOS coming: the engine then does not launch a
-        round behind that one (``LLMEngine._ends_soon``)."""
-        num_accepted = state["out"][1]
-        drafted = state.get("logprobs")
-        if kind.method == "ar" or drafted is None or not self.eos_token_ids:
-            return torch.zeros_like(num_accepted)
+    def pack(self, state: dict) -> torch.Tensor:
+        """A round's outputs in one tensor (``pack_outputs``), with each row's ``stop_ahead``: an
+        EOS token among the tree's tokens or the target's tokens at its nodes. The tree drafts
+        past what a round accepts, so the flag says that EOS is probably near: the engine then
+        does not launch a round behind the next one, which would likely be dropped (see
+        ``LLMEngine._ends_soon``)."""
+        tree, verified = state["tree"], state["verified"]
         stop_ids = self.stop_ids()
-        if drafted.dim() == 2:  # the chain's argmax tokens (draft(raw=True))
-            hit = (drafted[..., None] == stop_ids).any(-1)
-        else:  # logits or log-probabilities [N, D, V]
-            hit = drafted[..., stop_ids].amax(-1) >= drafted.amax(-1) - math.log(4)
-        depth = torch.arange(1, hit.shape[1] + 1, device=hit.device)
-        ahead = depth - num_accepted[:, None]  # a block position's distance past the new root
-        ahead = torch.where(hit & (ahead > 0), ahead, hit.shape[1] + 1).amin(1)
-        return torch.where(ahead > hit.shape[1], 0, ahead)
+        seen = (tree.tokens[..., None] == stop_ids).flatten(1).any(1)
+        if verified.samples is not None:
+            seen |= (verified.samples[..., None] == stop_ids).flatten(1).any(1)
+        return pack_outputs(*state["out"], state["accepted"][0], seen.long())
 
     def stop_ids(self) -> torch.Tensor:
         """The EOS ids as a device tensor (kept: a captured graph reads the same one)."""
-        key = tuple(sorted(self.eos_token_ids))
+        key = tuple(sorted(self.eos_token_ids)) or (-1,)
         if self._stop_ids is None or self._stop_ids[0] != key:
             self._stop_ids = (key, torch.tensor(key, dtype=torch.long, device=self.device))
         return self._stop_ids[1]

@@ -54,8 +54,8 @@ class Sequence:
         # position of the round launched behind an unread one, set when that one is read.
         self.context_from: int | None = None
         self.finish_reason: str | None = None
-        # Where the last read round's drafter expected EOS past its new root (0: nowhere).
-        self.eos_ahead = 0
+        # The last read round drafted (or the target predicted) EOS somewhere in its tree.
+        self.stop_ahead = False
         self.error: str | None = None
         self._text, self._text_for = "", 0
         self.decode_fn = None  # token ids -> text; set by the engine when it has a tokenizer
