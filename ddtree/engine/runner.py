@@ -106,9 +106,9 @@ class StageTimer:
 @dataclass
 class Launched:
     """A decode round that is on its way: ``packed`` rows are (num_accepted, bonus, stop_ahead,
-    path tokens...)
-    once ``event`` has completed (None: already complete). ``num_accepted``/``bonus`` stay on the
-    device so the next round can be launched from them before the host reads anything."""
+    path tokens...) once ``event`` has completed (None: already complete). ``num_accepted`` and
+    ``bonus`` stay on the device so the next round can be launched from them before the host
+    reads anything."""
     seqs: list[Sequence]
     kind: StepKind
     packed: torch.Tensor
