@@ -309,3 +309,30 @@ def test_train_cli_rejects_nonpositive_minutes_before_loading(tmp_path):
     with pytest.raises(SystemExit, match="--minutes -1.0: must be > 0"):
         main(["train-drafter", "train", "--data", str(tmp_path / "missing.pt"), "--run-dir", str(tmp_path / "r"),
               "--target", str(tmp_path / "no-such-target"), "--minutes", "-1"])
+
+
+def test_responses_past_eos_run_to_max_new_tokens(tmp_path, smol_dir):
+    """--past-eos: the chosen share of prompts (spread evenly) ignore EOS and run to max_new_tokens,
+    with the target's EOS inside the response (the text after it is what an ignore_eos request
+    asks the drafter to follow); the others end at EOS as before. A resume keeps the share."""
+    from ddtree.train import generate
+    prompts = tmp_path / "prompts.jsonl"
+    # "Name a colour." ends at EOS after ~19 tokens at T=0 (SmolLM2-135M-Instruct)
+    prompts.write_text("\n".join(json.dumps({"messages": [{"role": "user", "content": "Name a colour."}]})
+                                 for _ in range(4)))
+    kw = dict(target=smol_dir, max_new_tokens=40, temperatures=(0.0,), device="cpu", kv_cache_gb=0.05,
+              max_num_seqs=4)
+    data = {}
+    for share in (0.0, 0.5):
+        generate.generate_responses(prompts, tmp_path / f"{share}.pt", past_eos=share, **kw)
+        d = torch.load(tmp_path / f"{share}.pt")
+        data[share] = [d["tokens"][a + n:b].tolist() for a, b, n in zip(d["offsets"], d["offsets"][1:], d["prompt_lens"])]
+    eos = data[0.0][0][-1]
+    assert all(r == data[0.0][0] and len(r) < 40 for r in data[0.0])  # all stopped at the same EOS
+    lengths = [len(r) for r in data[0.5]]
+    assert lengths == [len(data[0.0][0]), 40, len(data[0.0][0]), 40], lengths  # every second prompt
+    assert data[0.5][1][:len(data[0.0][0])] == data[0.0][0] and eos in data[0.5][1]
+    with pytest.raises(ValueError, match="past_eos 0.5, not 1.0"):
+        generate.generate_responses(prompts, tmp_path / "0.5.pt", past_eos=1.0, max_prompts=8, **kw)
+    with pytest.raises(ValueError, match="within"):
+        generate.generate_responses(prompts, tmp_path / "bad.pt", past_eos=1.5, **kw)

@@ -28,6 +28,9 @@ def add_parser(sub) -> None:
                         "--seed gives other responses to the same prompts)")
     s.add_argument("--seed", type=int, default=None,
                    help="seed of the engine's sampling (LLM(seed=...); a resumed pass adds the prompts done)")
+    s.add_argument("--past-eos", type=float, default=0.0,
+                   help="fraction of prompts whose responses ignore EOS and run to --max-new-tokens "
+                        "(the text after the answer, which ignore_eos requests ask the drafter to follow)")
     s.set_defaults(func=_generate)
 
     s = stages.add_parser("pack", help="a responses file without its prompts, compressed (to train on it again)")
@@ -75,11 +78,14 @@ def add_parser(sub) -> None:
 
 def _generate(args) -> int:
     from ddtree.train.generate import generate_responses
+    if not 0.0 <= args.past_eos <= 1.0:  # before the target loads
+        raise SystemExit(f"--past-eos {args.past_eos}: must be a fraction within [0, 1]")
     stats = generate_responses(args.prompts, args.out, target=args.target, max_new_tokens=args.max_new_tokens,
                                chunk=args.chunk, max_prompts=args.max_prompts, device=args.device,
                                dtype=args.dtype, max_num_seqs=args.max_num_seqs, kv_cache_gb=args.kv_cache_gb,
                                max_seconds=args.max_minutes * 60 if args.max_minutes else None,
-                               temperatures=_temperatures(args.temperatures), seed=args.seed)
+                               temperatures=_temperatures(args.temperatures), seed=args.seed,
+                               past_eos=args.past_eos)
     print(json.dumps(stats))
     return 0
 

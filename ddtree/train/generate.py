@@ -50,9 +50,14 @@ def prompts_within(template, conversations: list[list[dict]], limit: int) -> lis
 def generate_responses(prompts_path: str | Path, out_path: str | Path, target=None, max_new_tokens: int = 256,
                        chunk: int = 1024, max_prompts: int | None = None, temperatures=(0.0, 1.0),
                        max_seconds: float | None = None, device=None, dtype=None, max_num_seqs: int = 512,
-                       kv_cache_gb: float = 16.0, seed: int | None = None) -> dict:
+                       kv_cache_gb: float = 16.0, seed: int | None = None, past_eos: float = 0.0) -> dict:
     """Generate responses for the prompts; alternate ``temperatures`` across prompts. ``seed``
-    seeds the sampling, so passes with other seeds give other responses to the same prompts."""
+    seeds the sampling, so passes with other seeds give other responses to the same prompts.
+    ``past_eos``: the fraction of prompts (spread evenly) whose responses ignore EOS and run to
+    ``max_new_tokens``: what the target writes after its answer (SmolLM2 makes up a new turn), the
+    text a request with ``ignore_eos`` (a fixed-length benchmark) asks the drafter to follow."""
+    if not 0.0 <= past_eos <= 1.0:
+        raise ValueError(f"past_eos must be within [0, 1], got {past_eos}")
     prompts = [json.loads(line) for line in Path(prompts_path).read_text().split("\n") if line.strip()]
     if max_prompts is not None:
         prompts = prompts[:max_prompts]
@@ -66,6 +71,9 @@ def generate_responses(prompts_path: str | Path, out_path: str | Path, target=No
         raise ValueError(f"{out_path} was generated with prompts cut at {data['prompt_limit']} tokens; "
                          f"--max-new-tokens {max_new_tokens} would cut them at {prompt_limit}")
     data["prompt_limit"] = prompt_limit
+    if data["done"] and data.setdefault("past_eos", past_eos) != past_eos:
+        raise ValueError(f"{out_path} was generated with past_eos {data['past_eos']}, not {past_eos}")
+    data["past_eos"] = past_eos
     if data["done"] >= len(prompts):  # a finished pass (e.g. unpacked): nothing to load the target for
         return _pass_stats(data)
     llm = LLM(target=target, method="ar", device=device, dtype=dtype, max_model_len=MAX_MODEL_LEN,
@@ -78,8 +86,9 @@ def generate_responses(prompts_path: str | Path, out_path: str | Path, target=No
             break
         batch = prompts[data["done"]:data["done"] + chunk]
         ids = prompts_within(llm.apply_chat_templates, [p["messages"] for p in batch], prompt_limit)
-        params = [SamplingParams(temperature=temperatures[(data["done"] + i) % len(temperatures)],
-                                 max_tokens=max_new_tokens) for i in range(len(batch))]
+        params = [SamplingParams(temperature=temperatures[j % len(temperatures)], max_tokens=max_new_tokens,
+                                 ignore_eos=int((j + 1) * past_eos) > int(j * past_eos))
+                  for j in range(data["done"], data["done"] + len(batch))]
         t0 = time.perf_counter()
         outs = llm.generate(ids, params)
         data["seconds"] += time.perf_counter() - t0
