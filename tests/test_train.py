@@ -333,6 +333,11 @@ def test_responses_past_eos_run_to_max_new_tokens(tmp_path, smol_dir):
     assert lengths == [len(data[0.0][0]), 40, len(data[0.0][0]), 40], lengths  # every second prompt
     assert data[0.5][1][:len(data[0.0][0])] == data[0.0][0] and eos in data[0.5][1]
     with pytest.raises(ValueError, match="past_eos 0.5, not 1.0"):
-        generate.generate_responses(prompts, tmp_path / "0.5.pt", past_eos=1.0, max_prompts=8, **kw)
+        generate.generate_responses(prompts, tmp_path / "0.5.pt", past_eos=1.0, **kw)
+    generate.pack_responses(tmp_path / "0.5.pt", tmp_path / "0.5.rsp")  # the share travels with a packed pass
+    generate.unpack_responses(tmp_path / "0.5.rsp", prompts, tmp_path / "again.pt", target=smol_dir)
+    assert torch.load(tmp_path / "again.pt")["past_eos"] == 0.5
+    with pytest.raises(ValueError, match="past_eos 0.5, not 0.0"):
+        generate.generate_responses(prompts, tmp_path / "again.pt", **kw)
     with pytest.raises(ValueError, match="within"):
         generate.generate_responses(prompts, tmp_path / "bad.pt", past_eos=1.5, **kw)

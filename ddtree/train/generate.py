@@ -71,7 +71,7 @@ def generate_responses(prompts_path: str | Path, out_path: str | Path, target=No
         raise ValueError(f"{out_path} was generated with prompts cut at {data['prompt_limit']} tokens; "
                          f"--max-new-tokens {max_new_tokens} would cut them at {prompt_limit}")
     data["prompt_limit"] = prompt_limit
-    if data["done"] and data.setdefault("past_eos", past_eos) != past_eos:
+    if data["done"] and data.get("past_eos", 0.0) != past_eos:  # (passes before the option: 0)
         raise ValueError(f"{out_path} was generated with past_eos {data['past_eos']}, not {past_eos}")
     data["past_eos"] = past_eos
     if data["done"] >= len(prompts):  # a finished pass (e.g. unpacked): nothing to load the target for
@@ -135,6 +135,7 @@ def pack_responses(data_path: str | Path, out_path: str | Path) -> dict:
               "response_lens": [offsets[i + 1] - offsets[i] - prompt_lens[i] for i in range(n)],
               # every pass before the limit was stored used 256 new tokens: 1024 - 256 - 1
               "prompt_limit": data.get("prompt_limit", MAX_MODEL_LEN - 256 - 1),
+              "past_eos": data.get("past_eos", 0.0),
               "prompt_crc32": _prompt_crc(tokens, offsets[:-1], prompt_lens),
               "generated_tokens": data["generated_tokens"], "seconds": data["seconds"]}
     with lzma.open(out_path, "wb", preset=1) as f:
@@ -177,6 +178,6 @@ def unpack_responses(packed_path: str | Path, prompts_path: str | Path, out_path
                          "are not those the responses answered (another prompts file, order or tokenizer?)")
     data = {"tokens": tokens, "offsets": offsets, "prompt_lens": prompt_lens, "done": n,
             "generated_tokens": header["generated_tokens"], "seconds": header["seconds"],
-            "prompt_limit": header["prompt_limit"]}
+            "prompt_limit": header["prompt_limit"], "past_eos": header.get("past_eos", 0.0)}
     torch.save(data, out_path)
     return {"sequences": n, "tokens": len(tokens)}
