@@ -77,6 +77,19 @@
 # t1_seed10.rsp with the first staging call and greedy.rsp with the second (each still fits under
 # the 64 MiB beside two GGUF parts), `cp` them into /tmp/stage there; `start` then resumes the
 # greedy pass at prompt 22,529 and adds a new seed (T1_SEED=11).
+# Those .rsp files live only in the workspace that received them (.stage/ is not in git); a fresh
+# checkout has none, and `start` then makes the greedy pass again. PAST_EOS=F (default 0) passes
+# `generate --past-eos F` to every pass of the call: a fraction F of the responses ignore EOS and
+# run to 256 tokens, so the drafter also learns the made-up turn SmolLM2 writes after EOS, which the
+# speed grid's fixed lengths ask it to follow (the drafter card, "Text after EOS"). A pass made with
+# one share is not resumed with another. Phase 12 as planned for 2026-12-06 (not run: nine device
+# starts were refused that session), after the three staging calls (the second carrying tp.gz.00):
+#   cp .stage/gguf.r06 .stage/tp.gz.01 /tmp/stage/ && cat /tmp/stage/tp.gz.0* | gunzip > /tmp/stage/train_prompts.jsonl &&
+#   PAST_EOS=0.25 GEN_MINUTES=1.3 T1_SEED=11 START_SECONDS=420 LAST_MINUTES=3.0 bash scripts/device/train_continue.sh start
+#   LAST_MINUTES=3.0 bash scripts/device/train_continue.sh finish
+# then the grid with the export (`ddtree bench --drafter /tmp/export`, with and without --stop-at-eos):
+# its tau at the grid's lengths against the shipped drafter's says whether the post-EOS text helped,
+# and finish's eval (which stops at EOS) whether it cost tau before EOS.
 # The run's checkpoint lives in the machine's /tmp (its optimizer state is too big for $OUT), so
 # `start` also brings its weights back (partial_model.safetensors.p*, partial_small.tar): if the
 # machine goes back between calls (it did on 2026-12-03, after the first try at phase 5's first call), restage,
@@ -110,7 +123,7 @@ gen() {  # name, temperatures, seed: /tmp/resp_<name>.pt (resumed where a packed
          # packed into $OUT/<name>.rsp so that a later phase can train on it again without generating it
   python3 -m ddtree.cli train-drafter generate --prompts /tmp/stage/train_prompts.jsonl --out /tmp/resp_$1.pt \
     --target $G --max-new-tokens 256 --chunk 2048 --max-num-seqs 256 --kv-cache-gb 24 \
-    --max-minutes ${GEN_MINUTES:-1.5} --temperatures "$2" --seed "$3" 2>&1 | tail -1 | tee /tmp/responses_$1.json
+    --max-minutes ${GEN_MINUTES:-1.5} --temperatures "$2" --seed "$3" --past-eos ${PAST_EOS:-0} 2>&1 | tail -1 | tee /tmp/responses_$1.json
   python3 -m ddtree.cli train-drafter pack --data /tmp/resp_$1.pt --out $OUT/$1.rsp
 }
 case "$1" in
