@@ -82,7 +82,7 @@
 # `generate --past-eos F` to every pass of the call: a fraction F of the responses ignore EOS and
 # run to 256 tokens, so the drafter also learns the made-up turn SmolLM2 writes after EOS, which the
 # speed grid's fixed lengths ask it to follow (the drafter card, "Text after EOS"). A pass made with
-# one share is not resumed with another. Phase 12 as planned for 2026-12-06 (not run: nine device
+# one share is not resumed with another. Phase 12 as planned for 2026-12-06 (not run: eleven device
 # starts were refused that session), after the three staging calls (the second carrying tp.gz.00):
 #   cp .stage/gguf.r06 .stage/tp.gz.01 /tmp/stage/ && cat /tmp/stage/tp.gz.0* | gunzip > /tmp/stage/train_prompts.jsonl &&
 #   PAST_EOS=0.25 GEN_MINUTES=1.3 T1_SEED=11 START_SECONDS=420 LAST_MINUTES=3.0 bash scripts/device/train_continue.sh start
