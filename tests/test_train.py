@@ -339,5 +339,10 @@ def test_responses_past_eos_run_to_max_new_tokens(tmp_path, smol_dir):
     assert torch.load(tmp_path / "again.pt")["past_eos"] == 0.5
     with pytest.raises(ValueError, match="past_eos 0.5, not 0.0"):
         generate.generate_responses(prompts, tmp_path / "again.pt", **kw)
+    old_pass = torch.load(tmp_path / "0.0.pt")
+    del old_pass["past_eos"]  # a pass from before the option counts as 0
+    torch.save(old_pass, tmp_path / "old.pt")
+    with pytest.raises(ValueError, match="past_eos 0.0, not 0.5"):
+        generate.generate_responses(prompts, tmp_path / "old.pt", past_eos=0.5, **kw)
     with pytest.raises(ValueError, match="within"):
         generate.generate_responses(prompts, tmp_path / "bad.pt", past_eos=1.5, **kw)

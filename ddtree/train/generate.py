@@ -71,8 +71,9 @@ def generate_responses(prompts_path: str | Path, out_path: str | Path, target=No
         raise ValueError(f"{out_path} was generated with prompts cut at {data['prompt_limit']} tokens; "
                          f"--max-new-tokens {max_new_tokens} would cut them at {prompt_limit}")
     data["prompt_limit"] = prompt_limit
-    if data["done"] and data.get("past_eos", 0.0) != past_eos:  # (passes before the option: 0)
-        raise ValueError(f"{out_path} was generated with past_eos {data['past_eos']}, not {past_eos}")
+    made_with = data.get("past_eos", 0.0)  # passes from before the option: 0
+    if data["done"] and made_with != past_eos:
+        raise ValueError(f"{out_path} was generated with past_eos {made_with}, not {past_eos}")
     data["past_eos"] = past_eos
     if data["done"] >= len(prompts):  # a finished pass (e.g. unpacked): nothing to load the target for
         return _pass_stats(data)
