@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Continue the shipped drafter on fresh responses (phases 3-11 of the model card): a greedy pass and
 # a seeded T=1 pass over the training prompts (T1_SEED: use one the drafter has not seen;
-# phase 3 used 1, phase 4 used 2, phase 5 used 3, phase 6 used 4, phase 7 5 and 6, phase 8 7, phase 9 8, phase 10 9, phase 11 10; until
+# phase 3 used 1, phase 4 used 2, phase 5 used 3, phase 6 used 4, phase 7 5 and 6, phase 8 7, phase 9 8, phase 10 9, phase 11 10, phase 12 11; until
 # 2026-12-04 the seed did not reach the engine's CUDA sampler, so phases 6 and 7 got the same T=1
 # responses: use 11 or more now), --distill 0.5, a fresh AdamW from the shipped
 # weights, and the cosine fitted to the device time (`--minutes`: the learning rate reaches zero
@@ -90,6 +90,14 @@
 # then the grid with the export (`ddtree bench --drafter /tmp/export`, with and without --stop-at-eos):
 # its tau at the grid's lengths against the shipped drafter's says whether the post-EOS text helped,
 # and finish's eval (which stops at EOS) whether it cost tau before EOS.
+# Phase 12 ran so (2026-12-07, nineteenth session, one H100, after three refused starts), with two
+# staging calls instead of three: with the shipped model.safetensors (31.6 MB) moved out of the
+# tree for them, four GGUF parts fit per call (r00-r03 + tp.gz.00 + .whl, then r04-r06 +
+# tp.gz.01 and the gunzip); the drafter back in place for `start` (carry r07, eval_prompts;
+# 441 s) and `finish` (311 s); bench/results/train_phase12_h100.log. Its passes (greedy 16,384 and
+# seed 11 18,432 of the 43,240 prompts, both made with PAST_EOS=0.25) are in this workspace's
+# .stage/greedy.rsp and .stage/t1_seed11.rsp (copies in .stage/phase12/): a phase 13 that carries
+# them must pass PAST_EOS=0.25 to resume them, and a new seed (T1_SEED=12).
 # The run's checkpoint lives in the machine's /tmp (its optimizer state is too big for $OUT), so
 # `start` also brings its weights back (partial_model.safetensors.p*, partial_small.tar): if the
 # machine goes back between calls (it did on 2026-12-03, after the first try at phase 5's first call), restage,
