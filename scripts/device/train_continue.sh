@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
-# Continue the shipped drafter on fresh responses (phases 3-11 of the model card): a greedy pass and
+# Continue the shipped drafter on fresh responses (phases 3-12 of the model card): a greedy pass and
 # a seeded T=1 pass over the training prompts (T1_SEED: use one the drafter has not seen;
 # phase 3 used 1, phase 4 used 2, phase 5 used 3, phase 6 used 4, phase 7 5 and 6, phase 8 7, phase 9 8, phase 10 9, phase 11 10, phase 12 11; until
 # 2026-12-04 the seed did not reach the engine's CUDA sampler, so phases 6 and 7 got the same T=1
-# responses: use 11 or more now), --distill 0.5, a fresh AdamW from the shipped
+# responses: use 12 or more now), --distill 0.5, a fresh AdamW from the shipped
 # weights, and the cosine fitted to the device time (`--minutes`: the learning rate reaches zero
 # when `finish`'s call ends). Back-to-back device calls
 # while the machine stays warm (see stage_and_run.md). Phase 5 (2026-12-03) staged in three calls
