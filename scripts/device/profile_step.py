@@ -157,10 +157,10 @@ def main():
     triton_attention.kv_splits_for = splits_for
     device, dtype = torch.device("cuda"), torch.bfloat16
     target, drafter = random_model(SMOLLM2, 4, 16, device, dtype)
-    llm = LLM(target=target, drafter=drafter, method="ddtree", budget=32, device=device, dtype=dtype,
+    llm = LLM(target=target, drafter=drafter, method="ddtree", budget=63, device=device, dtype=dtype,
               max_model_len=2048, max_num_seqs=16, kv_cache_gb=4, overlap_steps=not args.no_overlap)
     result = {"gpu": torch.cuda.get_device_name(), "context": args.context, "steps": []}
-    cands = [("ar", 0), ("dflash", 0), ("ddtree", 32)]
+    cands = [("ar", 0), ("dflash", 0), ("ddtree", 63)]
     for n in (1, 4):
         for method, budget in cands:
             wall, gpu, host = run_steps(llm, method, budget, args.context, args.steps, n,
@@ -174,7 +174,7 @@ def main():
                 row["host_profile"] = host
     print("attention launches (programs, max_keys, max_queries, splits):", sorted(seen), flush=True)
     result["marginal_stage_ms"] = []
-    for n, budget in ((1, 32), (1, 64), (4, 32)):
+    for n, budget in ((1, 31), (1, 63), (4, 31)):
         whole = round_ms(llm, "ddtree", budget, n, context=args.context)
         row = {"n": n, "budget": budget, "round_ms": whole}
         for skip in (("build",), ("accept",), ("commit",), ("build", "accept", "commit")):
@@ -188,7 +188,7 @@ def main():
         eager, graph = prefill_ms(llm, tokens, False, seqs), prefill_ms(llm, tokens, True, seqs)
         result["prefill_ms"][f"{seqs}x{tokens}"] = {"eager": eager, "graph": graph}
         print(f"prefill {seqs:2d} x {tokens:4d} tokens: eager {eager:7.2f} ms  graph {graph:7.2f} ms", flush=True)
-    for method, budget in () if args.no_kernels else (("ar", 0), ("dflash", 0), ("ddtree", 32)):
+    for method, budget in () if args.no_kernels else (("ar", 0), ("dflash", 0), ("ddtree", 63)):
         table = kernel_table(llm, method, budget, args.context)
         total = sum(v[1] for v in table.values())
         count = sum(v[0] for v in table.values())
