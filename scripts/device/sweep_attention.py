@@ -7,9 +7,10 @@ one key loop with the mask on every key tile) and the current kernel by its laun
 rows per query (SmolLM2's 3 heads padded), with 32-row programs (4 or 2 warps), with 8 warps,
 with the unmasked loop over whole tiles of cached keys on or off (by default on for more than
 one query), with 128-row programs (4 or 8 warps; a 64-query tree then takes two tiles instead of
-four) and with 4 or 8 key splits instead of the chosen count. Every variant's output is checked against the current default's. ``--max-keys`` sets
-the launch's key bound as a captured round's (the engine's context limit), which sizes the key
-splits as in the engine (batch 1-4 then get 8-16 splits).
+four) and with 4 or 8 key splits instead of the chosen count. Every variant's output is checked
+against the current default's. ``--max-keys`` sets the launch's key bound as a captured round's
+(the engine's context limit), which sizes the key splits as in the engine (batch 1-4 then get
+8-16 splits).
 
 python scripts/device/sweep_attention.py --out $OUT/attention_variants_h200.json
 python scripts/device/sweep_attention.py --max-keys 2176 --contexts 300,1000 --variants default \
