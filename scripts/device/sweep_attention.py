@@ -16,9 +16,10 @@ python scripts/device/sweep_attention.py --out $OUT/attention_variants_h200.json
 python scripts/device/sweep_attention.py --max-keys 2176 --contexts 300,1000 --variants default \
     --out $OUT/attention_variants_engine_bound_h200.json
 # The B=63 round at batch 1 (its tree attention: 8.3 against the chain's 6.3 us per launch on an
-# H100, bench/results/profile_step_h100.json), as the engine launches it:
+# H100, bench/results/profile_step_h100.json), as the engine launches it (result on an H100:
+# bench/results/attention_b63_h100.json, no variant faster at both contexts):
 python scripts/device/sweep_attention.py --max-keys 2112 --contexts 300,1000 --batches 1,4 \
-    --cases "chain,tree 63" --variants "default,m128,m128 w8,s4,s8,rows4" --out $OUT/attention_b63.json
+    --cases "chain,tree 63" --variants "default,m128,m128 w8,s4,s8,rows4" --out $OUT/attention_b63_h100.json
 """
 from __future__ import annotations
 
