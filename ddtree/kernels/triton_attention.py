@@ -201,6 +201,8 @@ def kv_splits_for(programs: int, max_keys: int, max_queries: int, device: torch.
 
 
 SMALL_GRID_SPLITS = 8
+# Whether empty key splits skip their partial store (``tree_attention``'s default).
+SKIP_EMPTY_SPLITS = False
 
 
 def launch_plan(q: torch.Tensor, k_cache: torch.Tensor, ctx: AttentionContext, rows_per_query: int | None = None,
@@ -237,7 +239,7 @@ def launch_plan(q: torch.Tensor, k_cache: torch.Tensor, ctx: AttentionContext, r
 def tree_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                    ctx: AttentionContext, scale: float, splits: int | None = None,
                    rows_per_query: int | None = None, block_m: int | None = None, num_warps: int = 4,
-                   unmasked_tiles: bool | None = None, skip_empty_splits: bool = False) -> torch.Tensor:
+                   unmasked_tiles: bool | None = None, skip_empty_splits: bool | None = None) -> torch.Tensor:
     """q [T, H, D] (new tokens, K/V already in the cache) -> [T, H, D]. ``splits``: key ranges
     per (sequence, head, query tile); None chooses from the grid size and ``ctx.max_keys``. The
     other keywords override the launch plan (``launch_plan``) for tuning sweeps."""
@@ -246,6 +248,7 @@ def tree_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
     group = H // kv_heads
     rows_per_query, block_m, q_tiles, auto_splits, plan_tiles = launch_plan(q, k_cache, ctx, rows_per_query, block_m)
     splits = auto_splits if splits is None else splits
+    skip_empty_splits = SKIP_EMPTY_SPLITS if skip_empty_splits is None else skip_empty_splits
     if not 1 <= splits <= MAX_SPLITS:
         raise ValueError(f"splits must be in [1, {MAX_SPLITS}], got {splits}")
     out = torch.empty_like(q)
