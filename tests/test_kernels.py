@@ -143,30 +143,6 @@ def test_launch_plans_agree(new, mask):
                 assert (got.cpu().double() - want).abs().max() < 1e-5, (splits, rows, block_m, tiles)
 
 
-@needs_kernels
-def test_skipping_empty_key_splits_changes_nothing(monkeypatch):
-    """With skip_empty_splits, a key split without keys stores no partial and the merge reads only
-    the filled ones: the output equals the default's exactly. The kernel's scratch buffers start
-    as NaN so that reading a skipped partial, or a log-sum-exp left unwritten, shows."""
-    from ddtree.kernels import triton_attention as ta
-
-    class NanScratchTorch:  # torch for the kernel's module, with NaN-filled torch.empty
-        def __getattr__(self, name):
-            return getattr(torch, name)
-
-        @staticmethod
-        def empty(*args, **kwargs):
-            return torch.empty(*args, **kwargs).fill_(float("nan"))
-
-    gen = torch.Generator().manual_seed(5)
-    q, k, v, ctx = make_case(gen, [150, 64, 5, 200], 9, "tree", heads=9, kv_heads=3, dim=64)
-    want = {splits: tree_attention(q, k, v, ctx, 0.125, splits=splits) for splits in (4, 16)}
-    monkeypatch.setattr(ta, "torch", NanScratchTorch())
-    for splits in (4, 16):
-        got = tree_attention(q, k, v, ctx, 0.125, splits=splits, skip_empty_splits=True)
-        assert torch.equal(got, want[splits]), splits
-
-
 def test_launch_plan_pads_the_group_only_for_small_grids(monkeypatch):
     """3 heads per KV head take 3 rows per query in 16- or 64-row programs; when the grid is
     small enough for 8+ key splits the group is padded to 4 rows and 32-row programs return."""

@@ -101,7 +101,7 @@ def _tree_attention_kernel(
         stride_ps, stride_pt, stride_ph, stride_ls, stride_lt, stride_tab, stride_cl, stride_mn, stride_mq,
         rows_per_query, PAGE: tl.constexpr, GROUP: tl.constexpr, ROWS: tl.constexpr, BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, MASK: tl.constexpr, UNMASKED_TILES: tl.constexpr,
-        IEEE: tl.constexpr, SKIP_EMPTY: tl.constexpr, splits):
+        IEEE: tl.constexpr, splits):
     # splits is a runtime value (not specialised), so a new split count never recompiles.
     seq = tl.program_id(0)
     kvh = tl.program_id(2) // splits
@@ -120,6 +120,8 @@ def _tree_attention_kernel(
     head = kvh * GROUP + head_in_group
     row_ok = (head_in_group < GROUP) & (rows < qpb * rows_per_query) & (qi < n_new)
     d = tl.arange(0, HEAD_DIM)
+    q = tl.load(Q + (q0 + qi)[:, None].to(tl.int64) * stride_qt + head[:, None] * stride_qh + d[None, :],
+                mask=row_ok[:, None], other=0.0)
 
     if MASK == 0:  # causal: this tile's last query sees up to its own position
         kv_end = ctx_len + tl.minimum(first_q + qpb, n_new)
@@ -130,13 +132,6 @@ def _tree_attention_kernel(
     chunk = tl.cdiv(tl.cdiv(kv_end, splits), BLOCK_N) * BLOCK_N
     kv_lo = split * chunk
     kv_hi = tl.minimum(kv_end, kv_lo + chunk)
-    # SKIP_EMPTY: a split without keys reads no queries and stores only its (empty) log-sum-exp,
-    # which tells the merge to skip its partial.
-    q_ok = row_ok
-    if SKIP_EMPTY:
-        q_ok = row_ok & (rows * 0 + kv_lo < kv_hi)  # a block compare (the interpreter rejects a scalar one)
-    q = tl.load(Q + (q0 + qi)[:, None].to(tl.int64) * stride_qt + head[:, None] * stride_qh + d[None, :],
-                mask=q_ok[:, None], other=0.0)
     # Whole tiles of cached keys first, then the rest (as many tiles as one loop over all would
     # take) under the mask. launch_plan turns the first loop off for plain decode and small grids,
     # where a second loop cost more than the mask it saves (bench/results/attention_variants*_h200.json).
@@ -160,7 +155,7 @@ def _tree_attention_kernel(
     else:
         p_ptrs = P + t[:, None] * stride_pt + head[:, None] * stride_ph + d[None, :]
         l_ptrs = LSE + t * stride_lt + head
-        tl.store(p_ptrs + split * stride_ps, out, mask=q_ok[:, None])
+        tl.store(p_ptrs + split * stride_ps, out, mask=row_ok[:, None])
         # log2-sum-exp of this split's scores; an empty split weighs nothing
         lse = tl.where(l_i > 0, m_i + tl.log2(tl.where(l_i > 0, l_i, 1.0)), -1.0e30)
         tl.store(l_ptrs + split * stride_ls, lse, mask=row_ok)
@@ -168,18 +163,15 @@ def _tree_attention_kernel(
 
 @triton.jit(do_not_specialize=["splits"])
 def _merge_splits_kernel(P, LSE, O, stride_ps, stride_pt, stride_ph, stride_ls, stride_lt, stride_ot, stride_oh,
-                         splits, MAX_SPLITS: tl.constexpr, HEAD_DIM: tl.constexpr, SKIP_EMPTY: tl.constexpr):
+                         splits, MAX_SPLITS: tl.constexpr, HEAD_DIM: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     s = tl.arange(0, MAX_SPLITS)
     d = tl.arange(0, HEAD_DIM)
     lse = tl.load(LSE + s * stride_ls + t * stride_lt + h, mask=s < splits, other=-1.0e30)
     w = tl.where(s < splits, tl.exp2(lse - tl.max(lse, 0)), 0.0)
-    used = s < splits
-    if SKIP_EMPTY:  # empty splits stored no partial
-        used = used & (lse > -1.0e29)
     part = tl.load(P + s[:, None] * stride_ps + t * stride_pt + h * stride_ph + d[None, :],
-                   mask=used[:, None], other=0.0)
+                   mask=(s < splits)[:, None], other=0.0)
     out = tl.sum(part * w[:, None], 0) / tl.sum(w, 0)
     tl.store(O + t * stride_ot + h * stride_oh + d, out.to(O.dtype.element_ty))
 
@@ -201,8 +193,6 @@ def kv_splits_for(programs: int, max_keys: int, max_queries: int, device: torch.
 
 
 SMALL_GRID_SPLITS = 8
-# Whether empty key splits skip their partial store (``tree_attention``'s default).
-SKIP_EMPTY_SPLITS = False
 
 
 def launch_plan(q: torch.Tensor, k_cache: torch.Tensor, ctx: AttentionContext, rows_per_query: int | None = None,
@@ -239,7 +229,7 @@ def launch_plan(q: torch.Tensor, k_cache: torch.Tensor, ctx: AttentionContext, r
 def tree_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                    ctx: AttentionContext, scale: float, splits: int | None = None,
                    rows_per_query: int | None = None, block_m: int | None = None, num_warps: int = 4,
-                   unmasked_tiles: bool | None = None, skip_empty_splits: bool | None = None) -> torch.Tensor:
+                   unmasked_tiles: bool | None = None) -> torch.Tensor:
     """q [T, H, D] (new tokens, K/V already in the cache) -> [T, H, D]. ``splits``: key ranges
     per (sequence, head, query tile); None chooses from the grid size and ``ctx.max_keys``. The
     other keywords override the launch plan (``launch_plan``) for tuning sweeps."""
@@ -248,7 +238,6 @@ def tree_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
     group = H // kv_heads
     rows_per_query, block_m, q_tiles, auto_splits, plan_tiles = launch_plan(q, k_cache, ctx, rows_per_query, block_m)
     splits = auto_splits if splits is None else splits
-    skip_empty_splits = SKIP_EMPTY_SPLITS if skip_empty_splits is None else skip_empty_splits
     if not 1 <= splits <= MAX_SPLITS:
         raise ValueError(f"splits must be in [1, {MAX_SPLITS}], got {splits}")
     out = torch.empty_like(q)
@@ -271,11 +260,11 @@ def tree_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
         BLOCK_M=block_m,
         BLOCK_N=64 if D <= 64 else 32, HEAD_DIM=D, MASK=_MASK_IDS[ctx.mask],
         UNMASKED_TILES=plan_tiles if unmasked_tiles is None else unmasked_tiles,
-        IEEE=q.dtype == torch.float32, SKIP_EMPTY=skip_empty_splits,
+        IEEE=q.dtype == torch.float32,
         splits=splits, num_warps=num_warps)
     if splits > 1:
         _merge_splits_kernel[(T, H)](
             partial, lse, out, partial.stride(0), partial.stride(1), partial.stride(2), lse.stride(0),
             lse.stride(1), out.stride(0), out.stride(1), splits=splits, MAX_SPLITS=MAX_SPLITS, HEAD_DIM=D,
-            SKIP_EMPTY=skip_empty_splits, num_warps=1)
+            num_warps=1)
     return out

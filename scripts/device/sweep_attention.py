@@ -7,11 +7,10 @@ one key loop with the mask on every key tile) and the current kernel by its laun
 rows per query (SmolLM2's 3 heads padded), with 32-row programs (4 or 2 warps), with 8 warps,
 with the unmasked loop over whole tiles of cached keys on or off (by default on for more than
 one query), with 128-row programs (4 or 8 warps; a 64-query tree then takes two tiles instead of
-four), with 4 or 8 key splits instead of the chosen count, and with empty key splits skipping
-their partial store (the merge then reads only filled splits; with the chosen count or 32).
-Every variant's output is checked against the current default's. ``--max-keys`` sets the
-launch's key bound as a captured round's (the engine's context limit), which sizes the key
-splits as in the engine (batch 1-4 then get 8-16 splits).
+four) and with 4 or 8 key splits instead of the chosen count. Every variant's output is checked
+against the current default's. ``--max-keys`` sets the launch's key bound as a captured round's
+(the engine's context limit), which sizes the key splits as in the engine (batch 1-4 then get
+8-16 splits).
 
 python scripts/device/sweep_attention.py --out $OUT/attention_variants_h200.json
 python scripts/device/sweep_attention.py --max-keys 2176 --contexts 300,1000 --variants default \
@@ -21,10 +20,6 @@ python scripts/device/sweep_attention.py --max-keys 2176 --contexts 300,1000 --v
 # bench/results/attention_b63_h100.json, no variant faster at both contexts):
 python scripts/device/sweep_attention.py --max-keys 2112 --contexts 300,1000 --batches 1,4 \
     --cases "chain,tree 63" --variants "default,m128,m128 w8,s4,s8,rows4" --out $OUT/attention_b63_h100.json
-# Empty splits skipped (not yet run on a GPU; 8 splits' 1 us win at 300 keys came with half as
-# many empty programs and partials to merge):
-python scripts/device/sweep_attention.py --max-keys 2112 --contexts 300,1000 --batches 1,4,16 \
-    --cases "decode,chain,tree 32,tree 63" --variants "default,skip,s32 skip,s8" --out $OUT/attention_skip.json
 """
 from __future__ import annotations
 
@@ -59,8 +54,7 @@ def main() -> int:
                 "m32 w2": dict(block_m=32, num_warps=2), "w8": dict(num_warps=8),
                 "tiles on": dict(unmasked_tiles=True), "tiles off": dict(unmasked_tiles=False),
                 "rows4 off": dict(rows_per_query=4, unmasked_tiles=False), "m128": dict(block_m=128),
-                "m128 w8": dict(block_m=128, num_warps=8), "s4": dict(splits=4), "s8": dict(splits=8),
-                "skip": dict(skip_empty_splits=True), "s32 skip": dict(splits=32, skip_empty_splits=True)}
+                "m128 w8": dict(block_m=128, num_warps=8), "s4": dict(splits=4), "s8": dict(splits=8)}
     if args.variants:
         variants = {k: v for k, v in variants.items() if k in args.variants.split(",")}
     unknown = set(filter(None, args.cases.split(","))) - {c[0] for c in CASES}
