@@ -1,6 +1,8 @@
 """Where a closed-loop bench run's wall time goes, from `ddtree bench --auto-trace` rows: overlapped
 rounds (launched before the previous one was read), fresh rounds (after a prefill, a held round or a
-change of batch) and the rest (prefills and the host's gaps before fresh rounds), per repeat.
+change of batch) and the rest (prefills, reads and the host's work before fresh rounds), per repeat.
+A traced round's ``s`` is what the engine charges it: the time since the previous read when
+overlapped, from its launch (or the end of the prefill before it) to its read when fresh.
 
 python scripts/trace_rounds.py bench/results/trace_he_t0_c1_h100.json
 """
@@ -12,12 +14,8 @@ from pathlib import Path
 
 
 def split(trace: list[dict], wall: float) -> dict:
-    """A round's time is the gap to the next launch when the next round was launched from its
-    device outputs (overlapped); before a fresh round, and for the last one, it is the round's own
-    ``s``, and the rest of the gap goes to the read, the prefill and the host."""
-    own = [b["t"] - a["t"] if b["after"] else a["s"] for a, b in zip(trace, trace[1:])] + [trace[-1]["s"]]
-    overlapped = sum(x for x, e in zip(own, trace) if e["after"])
-    fresh = sum(x for x, e in zip(own, trace) if not e["after"])
+    overlapped = sum(e["s"] for e in trace if e["after"])
+    fresh = sum(e["s"] for e in trace if not e["after"])
     n_over = sum(e["after"] for e in trace)
     return {"rounds": len(trace), "overlapped_rounds": n_over, "overlapped_ms": overlapped * 1e3,
             "fresh_ms": fresh * 1e3, "rest_ms": (wall - overlapped - fresh) * 1e3, "wall_ms": wall * 1e3}

@@ -155,9 +155,9 @@ def test_trace_rounds_splits_a_run_into_overlapped_fresh_and_rest(tmp_path):
 
     script = Path(__file__).parents[1] / "scripts" / "trace_rounds.py"
     split = runpy.run_path(str(script))["split"]
-    trace = [{"t": 0.5, "s": 1.0, "after": False}, {"t": 1.5, "s": 1.0, "after": True},
-             {"t": 2.5, "s": 1.0, "after": True},  # followed by a fresh round: its own s, the gap's rest is host
-             {"t": 5.0, "s": 1.2, "after": False}, {"t": 6.2, "s": 1.0, "after": True}]
+    trace = [{"t": 1.5, "s": 1.0, "after": False}, {"t": 2.5, "s": 1.0, "after": True},
+             {"t": 3.5, "s": 1.0, "after": True}, {"t": 6.2, "s": 1.2, "after": False},  # a prefill before it
+             {"t": 7.2, "s": 1.0, "after": True}]
     s = split(trace, 7.5)
     assert (s["rounds"], s["overlapped_rounds"]) == (5, 3)
     assert (round(s["overlapped_ms"], 6), round(s["fresh_ms"], 6), round(s["rest_ms"], 6)) == (3000.0, 2200.0, 2300.0)
