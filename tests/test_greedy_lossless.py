@@ -225,7 +225,7 @@ def _emulated_step_graph(runner_mod):
     StepGraph = runner_mod.StepGraph
 
     class Emulated(StepGraph):
-        def __init__(self, runner, kind, n, pool, split):
+        def __init__(self, runner, kind, n, pool, split, max_keys):
             self.n, self.width = n, runner.table_width
             self.scratch = runner_mod.np.array(runner.scratch[:self.width], dtype=runner_mod.np.int64)
             self.h_ints = [torch.zeros(n, 3 + self.width, dtype=torch.long) for _ in range(2)]
@@ -236,7 +236,7 @@ def _emulated_step_graph(runner_mod):
             self.inputs = runner_mod.StepInputs(self.ints[:, 0], self.ints[:, 1], self.ints[:, 3:],
                                                 self.floats[:, 0], self.ints[:, 2], self.floats[:, 1])
             state = {}
-            stages = runner.round_stages(kind, self.inputs, runner.max_context, state)
+            stages = runner.round_stages(kind, self.inputs, max_keys, state)
             for fn in stages:
                 fn()
             _, self.num_accepted, self.bonus = (t.clone() for t in state["out"])
@@ -298,6 +298,30 @@ def test_graph_path_bookkeeping_emulated(smol, tokenizer, prompts, ar_reference,
     assert llm.engine.overlapped_rounds > 5
     if budget == "auto":  # auto tries plain rounds (deferred context), then padded catch-ups ran
         assert llm.engine.runner.catch_up_graphs and llm.engine.runner.caught_up_tokens
+
+
+def test_graph_rounds_pick_their_key_bound_emulated(smol, tokenizer, prompts, ar_reference, monkeypatch):
+    """Rounds of small batches replay the graph captured for the smallest key bound that holds
+    their keys (GRAPH_KEY_BOUNDS, here small enough that the sequences cross several as they grow,
+    overlapped rounds included). The CPU's padded reference attention reads only a round's bound of
+    keys, so a bound below a round's keys drops keys and breaks AR equality."""
+    from ddtree.engine import runner as runner_mod
+    monkeypatch.setattr(runner_mod, "StepGraph", _emulated_step_graph(runner_mod))
+    monkeypatch.setattr(runner_mod, "CatchUpGraph", _emulated_catch_up_graph(runner_mod))
+    monkeypatch.setattr(runner_mod, "PREFILL_BUCKETS", ())
+    monkeypatch.setattr(runner_mod, "GRAPH_KEY_BOUNDS", (64, 96, 128))
+    monkeypatch.setattr(runner_mod, "KEY_BOUND_BATCH", 2)  # the two sequences below run in bucket 2
+    monkeypatch.setattr(torch.cuda, "Event", _FakeEvent)
+    llm = make_llm(smol, tokenizer, method="ddtree", budget=12, drafter=SHIPPED, overlap_steps=True,
+                   max_budget=16, max_model_len=256)
+    runner = llm.engine.runner
+    runner.use_graphs = True
+    chosen = [prompts[i] for i in (0, 5)]
+    _check_equal(chosen, llm.generate(chosen, GREEDY_64), ar_reference)
+    assert {bound for _, _, bound, _ in runner.graphs} == {64, 96, 128, runner.max_context}
+    assert llm.engine.overlapped_rounds > 5
+    assert runner.key_bounds(4) == [runner.max_context]  # larger batches: the context limit only
+    assert runner.key_bound(2, 97) == 128 and runner.key_bound(2, 129) == runner.max_context
 
 
 @pytest.mark.parametrize("method,budget", [("ar", 0), ("ddtree", 12)])

@@ -399,8 +399,9 @@ class LLMEngine:
             bucket = self.auto.bucket_of(n)
             for cand in self.auto.candidates:
                 self.auto.prior[(bucket, cand)] = self.runner.time_graph(*cand, bucket, greedy=True)
-                if sampling:
-                    self.runner.time_graph(*cand, bucket, greedy=False, reps=1)
+                for max_keys in self.runner.key_bounds(bucket):  # the graphs of every key bound
+                    for greedy in (True, False) if sampling else (True,):
+                        self.runner.round_graph(*cand, bucket, greedy, max_keys)
         return dict(self.auto.prior)
 
     def _append(self, seq: Sequence, tokens: list[int], logprobs: list | None = None) -> None:

@@ -35,6 +35,14 @@ GRAPH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
 PREFILL_BUCKETS = (16, 32, 64, 128, 256, 512, 1024, 2048)  # tokens of a captured prefill step
 PREFILL_SEQ_BUCKETS = (1, 4, 16, 64)  # sequences of a captured prefill step
 CATCH_UP_BUCKETS = (64, 256, 1024, 4096)  # deferred tokens of a captured catch-up (more: several)
+# Key bounds, besides the context limit, that decode rounds of up to KEY_BOUND_BATCH sequences are
+# also captured for; a round replays the smallest that holds its keys. A captured round sizes its
+# attention's key splits by its bound (kv_splits_for): under the bench's 2,112 keys, batch 1 runs
+# 16-32 splits, most of them empty at a few hundred keys. With these bounds c=1 ran 1.1-2.3 %
+# faster on an H100 for AR, the chain and B=63 (bench/results/ab_key_bounds_h100_*.json). Only
+# batch 1 was measured (larger batches run fewer splits, and fewer still at a smaller bound).
+GRAPH_KEY_BOUNDS = (512, 1024)
+KEY_BOUND_BATCH = 1
 
 
 @dataclass
@@ -147,7 +155,7 @@ class StepGraph:
     ``split`` captures one graph per stage with CUDA events between them (for the step-time
     split); otherwise the round is a single graph."""
 
-    def __init__(self, runner: "ModelRunner", kind: StepKind, n: int, pool, split: bool):
+    def __init__(self, runner: "ModelRunner", kind: StepKind, n: int, pool, split: bool, max_keys: int):
         self.n, self.width = n, runner.table_width
         self.scratch = np.array(runner.scratch[:self.width], dtype=np.int64)
         self.h_ints = [torch.zeros(n, 3 + self.width, dtype=torch.long).pin_memory() for _ in range(2)]
@@ -159,7 +167,7 @@ class StepGraph:
         self.inputs = StepInputs(self.ints[:, 0], self.ints[:, 1], self.ints[:, 3:], self.floats[:, 0],
                                  self.ints[:, 2], self.floats[:, 1])
         state = {}
-        stages = list(runner.round_stages(kind, self.inputs, runner.max_context, state))
+        stages = list(runner.round_stages(kind, self.inputs, max_keys, state))
         stages[-1] = _then(stages[-1], lambda: state.update(packed=runner.pack(state)))
         for fn in stages:  # warm up (Triton compiles, lazy weight fusion) outside capture
             fn()
@@ -397,7 +405,7 @@ class ModelRunner:
         self.caught_up_tokens = 0
         self.catch_up_graphs: dict[int, CatchUpGraph] = {}
         self.use_graphs = cuda_graphs and device.type == "cuda"
-        self.graphs: dict[tuple[StepKind, int, bool], StepGraph] = {}
+        self.graphs: dict[tuple[StepKind, int, int, bool], StepGraph] = {}  # kind, bucket, key bound
         self.prefill_graphs: dict[tuple[int, int], PrefillGraph] = {}  # (tokens, sequences)
         self.graph_pool = torch.cuda.graph_pool_handle() if self.use_graphs else None
         # Catch-ups replay between a round and the next one, which reads the first's outputs: in
@@ -578,9 +586,12 @@ class ModelRunner:
             self.track_context(seqs, kind, after)
         self.decode_calls += 1
         n = len(seqs)
+        # Keys per sequence this round may reach (``after``'s tokens are not read yet).
+        ahead = self.lookahead(after.kind.method, after.kind.budget) if after is not None else 0
+        max_keys = max(len(s) for s in seqs) + ahead + self.lookahead(kind.method, kind.budget)
         bucket = self.graph_bucket(n, kind, seqs)
         if bucket is not None:
-            graph = self._graph(kind, bucket)
+            graph = self._graph(kind, bucket, self.key_bound(bucket, max_keys))
             slot = self.decode_calls % 2
             event = graph.replay(seqs, slot=slot, after=after)
             launched = Launched(seqs, kind, graph.h_out[slot], event, graph.num_accepted, graph.bonus, graph,
@@ -595,12 +606,9 @@ class ModelRunner:
             return launched
         state = {}
         inputs = self._inputs(seqs)
-        ahead = 0
         if after is not None:
             inputs.roots = after.bonus[:n].clone()
             inputs.starts = inputs.starts + after.num_accepted[:n]
-            ahead = self.lookahead(after.kind.method, after.kind.budget)
-        max_keys = max(len(s) for s in seqs) + ahead + self.lookahead(kind.method, kind.budget)
         gens = None
         if any(s.params.seed is not None for s in seqs):
             for s in seqs:
@@ -752,22 +760,36 @@ class ModelRunner:
             self._stop_ids = (key, torch.tensor(key, dtype=torch.long, device=self.device))
         return self._stop_ids[1]
 
-    def _graph(self, kind: StepKind, bucket: int) -> StepGraph:
-        key = (kind, bucket, self.profile_stages)
+    def key_bounds(self, bucket: int) -> list[int]:
+        """The key bounds rounds of ``bucket`` sequences are captured for, ascending."""
+        small = [b for b in GRAPH_KEY_BOUNDS if b < self.max_context] if bucket <= KEY_BOUND_BATCH else []
+        return small + [self.max_context]
+
+    def key_bound(self, bucket: int, max_keys: int) -> int:
+        """The smallest key bound that holds a round with up to ``max_keys`` keys a sequence."""
+        return next((b for b in self.key_bounds(bucket) if max_keys <= b), self.max_context)
+
+    def _graph(self, kind: StepKind, bucket: int, max_keys: int) -> StepGraph:
+        key = (kind, bucket, max_keys, self.profile_stages)
         graph = self.graphs.get(key)
         if graph is None:
-            graph = self.graphs[key] = StepGraph(self, kind, bucket, self.graph_pool, self.profile_stages)
+            graph = self.graphs[key] = StepGraph(self, kind, bucket, self.graph_pool, self.profile_stages, max_keys)
         return graph
+
+    def round_graph(self, method: str, budget: int, bucket: int, greedy: bool, max_keys: int) -> StepGraph:
+        """The step graph of a round (captured if needed)."""
+        kind = StepKind(method, budget if method == "ddtree" else 0, "greedy" if greedy else "sample",
+                        self.drafter_kv is not None)
+        return self._graph(kind, bucket, max_keys)
 
     @torch.inference_mode()
     def time_graph(self, method: str, budget: int, bucket: int, greedy: bool = True, reps: int = 10,
                    context: int = 512) -> float:
         """Seconds per replay of a step graph on padding rows at position ``context`` (so attention
-        reads a realistic prefix); captures the graph if needed."""
+        reads a realistic prefix), the graph of the key bound a round there replays."""
         context = max(0, min(context, self.max_context - self.lookahead(method, budget) - 1))
-        kind = StepKind(method, budget if method == "ddtree" else 0, "greedy" if greedy else "sample",
-                        self.drafter_kv is not None)
-        return self._graph(kind, bucket).replay_seconds(context, reps)
+        max_keys = self.key_bound(bucket, context + self.lookahead(method, budget) + 1)
+        return self.round_graph(method, budget, bucket, greedy, max_keys).replay_seconds(context, reps)
 
     def round_stages(self, kind: StepKind, inp: StepInputs, max_keys: int, state: dict,
                      seqs: list[Sequence] | None = None, generators=None, need_logits: bool = False,

@@ -25,7 +25,7 @@ KEEP = []  # captured graphs stay alive: a freed graph's pool must not be captur
 
 def stage_ms(runner, kind: StepKind, n: int, context: int, reps: int = 50) -> dict:
     """GPU ms per stage of the round captured stage by stage, median over ``reps`` replays."""
-    graph = StepGraph(runner, kind, n, runner.graph_pool, split=True)
+    graph = StepGraph(runner, kind, n, runner.graph_pool, split=True, max_keys=runner.max_context)
     KEEP.append(graph)
     graph.replay([], context).synchronize()
     per = [[] for _ in STAGES]
@@ -55,7 +55,7 @@ def main():
     for method, budget in cands:
         for sampling in ("greedy", "sample"):
             kind = StepKind(method, budget, sampling, True)
-            KEEP.append(StepGraph(runner, kind, args.n, runner.graph_pool, split=False))
+            KEEP.append(StepGraph(runner, kind, args.n, runner.graph_pool, split=False, max_keys=runner.max_context))
             whole = KEEP[-1].replay_seconds(args.context, 50)
             row = {"method": method, "budget": budget, "sampling": sampling, "round_ms": whole * 1e3,
                    "stage_ms": stage_ms(runner, kind, args.n, args.context)}

@@ -84,7 +84,8 @@ def round_ms(llm, method, budget, n, skip=(), context=400, reps=100):
 
     runner.round_stages = round_stages
     try:
-        graph = StepGraph(runner, StepKind(method, budget, "greedy", True), n, runner.graph_pool, split=False)
+        graph = StepGraph(runner, StepKind(method, budget, "greedy", True), n, runner.graph_pool, split=False,
+                          max_keys=runner.max_context)
     finally:
         runner.round_stages = original
     return graph.replay_seconds(context, reps) * 1e3

@@ -48,7 +48,7 @@ def main() -> None:
                                     ("stored", True, None)):
                 runner.tap_cache = taps
                 kind = StepKind("ar", 0, sampling, ctx)
-                ms[name] = runner._graph(kind, bucket).replay_seconds(args.context, args.reps) * 1e3
+                ms[name] = runner._graph(kind, bucket, runner.max_context).replay_seconds(args.context, args.reps) * 1e3
                 # captured with this tap cache setting; kept alive (its memory is in the graph pool)
                 kept.append(runner.graphs.pop((kind, bucket, False)))
             rows.append({"bucket": bucket, "sampling": sampling, "plain_ms": ms["plain"],
