@@ -12,6 +12,7 @@ A setting is ``chosen`` (the engine's plan), ``sN`` (N key splits for the tree l
 limit, as graphs captured per context class would be; only contexts that fit N are replayed).
 
 PYTHONPATH=$PWD python scripts/device/ab_tree_splits.py --out $OUT/ab_tree_splits.json
+    # bench/results/ab_tree_splits_h100.json (H100; that run labelled the settings splits=N)
 PYTHONPATH=$PWD python scripts/device/ab_tree_splits.py --settings chosen,k512,k1024 --methods \
     ar:0,dflash:0,ddtree:31,ddtree:63 --batches 1,4 --contexts 300,400,500,800 --out $OUT/ab_key_bound.json
 """
