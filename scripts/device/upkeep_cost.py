@@ -50,7 +50,7 @@ def main() -> None:
                 kind = StepKind("ar", 0, sampling, ctx)
                 ms[name] = runner._graph(kind, bucket, runner.max_context).replay_seconds(args.context, args.reps) * 1e3
                 # captured with this tap cache setting; kept alive (its memory is in the graph pool)
-                kept.append(runner.graphs.pop((kind, bucket, False)))
+                kept.append(runner.graphs.pop((kind, bucket, runner.max_context, False)))
             rows.append({"bucket": bucket, "sampling": sampling, "plain_ms": ms["plain"],
                          "deferred_ms": ms["deferred"], "stored_ms": ms["stored"],
                          "deferred_fraction": ms["deferred"] / ms["plain"] - 1,
