@@ -7,14 +7,11 @@ a round (drafter and chain launches included) made the rounds slower
 tree launches alone (more than 16 queries) does to whole rounds: random weights of the
 SmolLM2-135M shape, one graph per (setting, method) captured in one process, replayed on padding
 rows at several context lengths, settings interleaved over several passes (the median is kept).
-A setting is ``chosen`` (the engine's plan), ``sN`` (N key splits for the tree launches only) or
-``kN`` (every launch of the round planned for a key bound of N instead of the engine's context
-limit, as graphs captured per context class would be; only contexts that fit N are replayed).
+A setting is ``chosen`` (the engine's plan) or ``sN`` (N key splits for the tree launches only).
+Graphs per key bound, which this led to, are measured end to end by ``ab_key_bounds.sh``.
 
 PYTHONPATH=$PWD python scripts/device/ab_tree_splits.py --out $OUT/ab_tree_splits.json
     # bench/results/ab_tree_splits_h100.json (H100; that run labelled the settings splits=N)
-PYTHONPATH=$PWD python scripts/device/ab_tree_splits.py --settings chosen,k512,k1024 --methods \
-    ar:0,dflash:0,ddtree:31,ddtree:63 --batches 1,4 --contexts 300,400,500,800 --out $OUT/ab_key_bound.json
 """
 from __future__ import annotations
 
@@ -45,6 +42,10 @@ def main() -> None:
     p.add_argument("--passes", type=int, default=3)
     p.add_argument("--reps", type=int, default=200)
     args = p.parse_args()
+    settings = args.settings.split(",")
+    bad = [x for x in settings if x != "chosen" and not (x[:1] == "s" and x[1:].isdigit() and int(x[1:]) > 0)]
+    if bad:
+        raise SystemExit(f"unknown settings {bad}: use 'chosen' or sN (N key splits, N >= 1)")
     chosen = triton_attention.kv_splits_for
     launches = set()
 
@@ -63,23 +64,19 @@ def main() -> None:
               max_model_len=2048, max_num_seqs=4, kv_cache_gb=4)
     runner = llm.engine.runner
     contexts = [int(c) for c in args.contexts.split(",")]
-    settings = args.settings.split(",")
     methods = [(m, int(b)) for m, b in (x.split(":") for x in args.methods.split(","))]
-    limit = runner.max_context
     times: dict[str, list[float]] = {}
     for _ in range(args.passes):
         for n in map(int, args.batches.split(",")):
             for setting in settings:
-                bound = int(setting[1:]) if setting.startswith("k") else limit
                 triton_attention.kv_splits_for = splitter(setting)
                 try:
                     for method, budget in methods:
-                        if setting.startswith("s") and method != "ddtree":
+                        if setting != "chosen" and method != "ddtree":
                             continue  # only DDTree's verify has more than 16 queries
                         graph = StepGraph(runner, StepKind(method, budget, "greedy", True), n,
-                                          runner.graph_pool, split=False, max_keys=bound)
-                        ahead = runner.lookahead(method, budget) + 17  # a round's new keys and the next's
-                        for ctx in (c for c in contexts if c + ahead <= bound):
+                                          runner.graph_pool, split=False, max_keys=runner.max_context)
+                        for ctx in contexts:
                             key = f"n={n} {method}:{budget} {setting} ctx={ctx}"
                             times.setdefault(key, []).append(graph.replay_seconds(ctx, args.reps) * 1e3)
                 finally:
