@@ -1,4 +1,5 @@
 """`ddtree bench --quick`: the side-by-side speed harness runs on CPU and writes JSON + PNG."""
+import gc
 import json
 
 import pytest
@@ -32,12 +33,17 @@ def test_request_lengths_are_mixed_and_the_same_for_every_method():
 def test_bench_quick(tmp_path):
     out = tmp_path / "bench.json"
     assert main(["--quick", "--auto-trace", "--out", str(out)]) == 0
+    assert gc.get_freeze_count() == 0  # the heap frozen for the runs is unfrozen after them
     data = json.loads(out.read_text())
     rows = data["results"]
     assert {(r["method"], r["budget"], r["concurrency"]) for r in rows} == {
         (m, b, c) for m, b in [("ar", 0), ("dflash", 0), ("ddtree", 8), ("ddtree", "auto")] for c in (1, 2)}
     for r in rows:
         assert r["tokens"] == 2 * 8 and r["tokens_per_s"] > 0 and r["tau"] >= 1.0
+        # runs see a frozen start-up heap (models, modules: far more than 10k objects), and each
+        # run's collector pauses and mid-run captures are kept
+        assert r["frozen_objects"] > 10_000 and len(r["gc_s_runs"]) == len(r["graphs_captured_runs"]) == r["repeats"]
+        assert r["gc_s"] >= 0 and r["graphs_captured"] == 0
         assert r["split_s"]["verify"] > 0
         # --auto-trace keeps every round of every method (for plain decoding too, to compare)
         assert len(r["auto_trace_runs"]) == r["repeats"] and "auto_trace" not in r  # each repeat's, once

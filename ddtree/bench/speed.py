@@ -19,6 +19,7 @@ full-batch steps ran at 0.98-1.1x plain decoding's rate while whole runs came ou
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import statistics
 import time
@@ -82,27 +83,40 @@ def run_closed_loop(llm, prompt_ids, method, budget, temperature, max_tokens, co
     lengths = max_tokens if isinstance(max_tokens, list) else [max_tokens] * len(prompt_ids)
     pending = list(zip(prompt_ids, lengths))
     in_flight, done = [], []
-    start = time.perf_counter()
-    started, first = {}, {}
-    while pending or in_flight:
-        while pending and len(in_flight) < concurrency:
-            ids, length = pending.pop(0)
-            params = SamplingParams(temperature=temperature, max_tokens=length, ignore_eos=not stop_at_eos)
-            seq = engine.add_request(ids, params, method=method, budget=budget)
-            started[seq.seq_id] = time.perf_counter()
-            in_flight.append(seq)
-        engine.step()
-        now = time.perf_counter()
-        for seq in in_flight:
-            if seq.seq_id not in first and seq.num_output_tokens:
-                first[seq.seq_id] = (now, seq.num_output_tokens)
-        for seq in [s for s in in_flight if s.is_finished]:
-            in_flight.remove(seq)
-            done.append((seq, now - started[seq.seq_id]))
-    if engine.runner.device.type == "cuda":
-        import torch
-        torch.cuda.synchronize()
-    wall = time.perf_counter() - start
+    captured0 = runner.num_captured
+    pauses, began = [], [0.0]  # (generation, seconds) of each garbage collection during the run
+
+    def on_gc(phase, info):
+        if phase == "start":
+            began[0] = time.perf_counter()
+        else:
+            pauses.append((info["generation"], time.perf_counter() - began[0]))
+
+    gc.callbacks.append(on_gc)
+    try:
+        start = time.perf_counter()
+        started, first = {}, {}
+        while pending or in_flight:
+            while pending and len(in_flight) < concurrency:
+                ids, length = pending.pop(0)
+                params = SamplingParams(temperature=temperature, max_tokens=length, ignore_eos=not stop_at_eos)
+                seq = engine.add_request(ids, params, method=method, budget=budget)
+                started[seq.seq_id] = time.perf_counter()
+                in_flight.append(seq)
+            engine.step()
+            now = time.perf_counter()
+            for seq in in_flight:
+                if seq.seq_id not in first and seq.num_output_tokens:
+                    first[seq.seq_id] = (now, seq.num_output_tokens)
+            for seq in [s for s in in_flight if s.is_finished]:
+                in_flight.remove(seq)
+                done.append((seq, now - started[seq.seq_id]))
+        if engine.runner.device.type == "cuda":
+            import torch
+            torch.cuda.synchronize()
+        wall = time.perf_counter() - start
+    finally:
+        gc.callbacks.remove(on_gc)
     tokens = sum(s.num_output_tokens for s, _ in done)
     lengths = [n for s, _ in done for n in s.metrics.accepted_lengths]
     runner.settle_prefill_spans()
@@ -121,6 +135,10 @@ def run_closed_loop(llm, prompt_ids, method, budget, temperature, max_tokens, co
             "per_request_decode_tokens_per_s": statistics.median(decode) if decode else None,
             "tau": sum(lengths) / len(lengths), "verify_steps": len(lengths),
             "engine_decode_steps": runner.decode_calls - calls0, "joins": engine.scheduler.joins - joins0,
+            # what can stall a run besides the engine: garbage collections (full passes: generation
+            # 2) and graphs captured mid-run; frozen_objects: the heap the collector skips (frozen_heap)
+            "gc_s": sum(t for _, t in pauses), "gc_full_passes": sum(g == 2 for g, _ in pauses),
+            "frozen_objects": gc.get_freeze_count(), "graphs_captured": runner.num_captured - captured0,
             # rounds not launched behind an unread one as the batch probably ended in it, and
             # rounds launched so and then dropped (every sequence had ended)
             "held_rounds": engine.held_rounds - held0, "dropped_rounds": engine.dropped_rounds - dropped0,
@@ -172,8 +190,10 @@ def bench(llm, prompts: dict[str, list[list[int]]], methods, concurrency, temper
                         batch = [ids[i % len(ids)] for i in range(count)]
                         lengths = request_lengths(max_tokens, count, fixed_lengths)
                         warm_up(llm, batch, method, budget, t, c, lengths, stop_at_eos)  # then repeats; median reported
-                        runs = [run_closed_loop(llm, batch, method, budget, t, lengths, c, stop_at_eos)
-                                for _ in range(repeats)]
+                        runs = []
+                        for _ in range(repeats):  # each from an empty young heap: no run inherits
+                            gc.collect()          # the garbage of the ones before
+                            runs.append(run_closed_loop(llm, batch, method, budget, t, lengths, c, stop_at_eos))
                         best = sorted(runs, key=lambda r: r["tokens_per_s"])[len(runs) // 2]
                         # One more run with per-stage graphs and events (fixed methods: auto's steps are
                         # the fixed methods' steps, and its per-stage graphs would be captured mid-run).
@@ -186,7 +206,9 @@ def bench(llm, prompts: dict[str, list[list[int]]], methods, concurrency, temper
                             llm.engine.runner.profile_stages = False
                         row = {"dataset": name, "temperature": t, "concurrency": c, "method": method,
                                "budget": budget, "join_wait_rounds": wait, "repeats": repeats,
-                               "tokens_per_s_runs": [r["tokens_per_s"] for r in runs], **best}
+                               "tokens_per_s_runs": [r["tokens_per_s"] for r in runs],
+                               "gc_s_runs": [r["gc_s"] for r in runs],
+                               "graphs_captured_runs": [r["graphs_captured"] for r in runs], **best}
                         if row.pop("auto_trace", None) is not None:  # every repeat's rounds, not only the
                             # reported one's: a slow repeat is the one to read
                             row["auto_trace_runs"] = [{"wall_s": r["wall_s"], "auto_trace": r.pop("auto_trace", [])}
@@ -247,6 +269,7 @@ def plot(rows: list[dict], png: str | Path) -> None:
 def main(argv=None) -> int:
     from ddtree import LLM
     from ddtree.engine.args import add_engine_args
+    from ddtree.engine.llm import frozen_heap
 
     p = argparse.ArgumentParser(prog="ddtree bench", description=__doc__)
     add_engine_args(p)
@@ -329,9 +352,10 @@ def main(argv=None) -> int:
         import torch
         meta["gpu"] = torch.cuda.get_device_name()
     save = lambda rows: out.write_text(json.dumps({"meta": meta, "results": rows}, indent=1))  # noqa: E731
-    rows = bench(llm, prompts, methods, concurrency, temps, args.max_tokens, args.repeats,
-                 per_run=per_run, on_row=save, fixed_lengths=args.fixed_lengths, join_waits=join_waits,
-                 stop_at_eos=args.stop_at_eos)
+    with frozen_heap():  # as a server runs: start-up objects out of the collector's full passes
+        rows = bench(llm, prompts, methods, concurrency, temps, args.max_tokens, args.repeats,
+                     per_run=per_run, on_row=save, fixed_lengths=args.fixed_lengths, join_waits=join_waits,
+                     stop_at_eos=args.stop_at_eos)
     save(rows)
     plot(rows, args.png or out.with_suffix(".png"))
     print(f"wrote {out}")
