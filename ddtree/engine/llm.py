@@ -28,7 +28,7 @@ def default_device() -> torch.device:
 def frozen_heap():
     """Keep every object alive now (modules, models, captured graphs: ~360k on CPU) out of the
     garbage collector's full passes while a long-lived loop runs (serving, benchmarking). A full
-    pass over them took 160-200 ms on a 2-core CPU, a stall of every stream in flight; after
+    pass over them took 150-200 ms on a 2-core CPU, a stall of every stream in flight; after
     ``gc.freeze`` it scans only what was made since. Collects first, so no garbage is frozen
     (frozen cycles are never freed: not for code that builds and drops engines); unfreezes on
     exit, where Triton's bindings would otherwise report the frozen objects as leaked. vLLM
