@@ -11,6 +11,7 @@ import json
 from pathlib import Path
 
 DATASETS = {"humaneval": "HumanEval", "mtbench": "MT-Bench"}
+STALL_S = 0.01  # a run's collector time worth reporting (a round is ~1 ms on the GPU)
 
 
 def cells(path: str) -> dict:
@@ -58,6 +59,14 @@ def main() -> None:
     print(f"auto >= 1.0x best(AR, chain): {span(xs, '{:.3f}')}x ({sum(x >= 1 for x in xs)}/{len(xs)} cells)")
     xs = [100 * r["tree_work"] for r in rs.values()]
     print(f"build + accept + commit <= 10 % of the B={b} round: {span(xs, '{:.1f}')} % ({sum(x <= 10 for x in xs)}/{len(xs)} rows)")
+    # Grids since frozen_heap keep what stalled each run: collector time and mid-run captures.
+    runs = [(g, n) for cell in grid.values() for row in cell.values()
+            for g, n in zip(row.get("gc_s_runs", []), row.get("graphs_captured_runs", []))]
+    if runs:
+        stalled = sum(g >= STALL_S or n > 0 for g, n in runs)
+        print(f"runs with >= {STALL_S * 1e3:.0f} ms of garbage collection or a graph captured mid-run: "
+              f"{stalled}/{len(runs)} (collector at most {max(g for g, _ in runs) * 1e3:.1f} ms in a run, "
+              f"{sum(n for _, n in runs)} captures)")
     head = ["cell", "AR", "chain", f"B={b}", "auto", "auto ÷ best(AR, chain)", f"B={b} ÷ chain", f"B={b} ÷ AR", f"B={b} τ"]
     if previous:
         head.append("previous grid: B÷AR, auto ÷ best")

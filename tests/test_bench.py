@@ -140,6 +140,13 @@ def test_bench_goals_reads_the_goal_ratios_from_a_grid(tmp_path):
     grid.write_text(json.dumps({"meta": {}, "results": rows}))
     script = Path(__file__).parents[1] / "scripts" / "bench_goals.py"
     out = subprocess.run([sys.executable, script, grid], capture_output=True, text=True, check=True).stdout
+    assert "garbage collection" not in out  # grids from before frozen_heap have no stall record
+    rows[0] |= {"gc_s_runs": [0.002, 0.150], "graphs_captured_runs": [0, 0]}  # one run hit a full pass
+    rows[1] |= {"gc_s_runs": [0.001, 0.001], "graphs_captured_runs": [1, 0]}  # one captured a graph
+    grid.write_text(json.dumps({"meta": {}, "results": rows}))
+    out = subprocess.run([sys.executable, script, grid], capture_output=True, text=True, check=True).stdout
+    assert ("runs with >= 10 ms of garbage collection or a graph captured mid-run: 2/4 "
+            "(collector at most 150.0 ms in a run, 1 captures)") in out
     assert "AR single stream >= 1,000 tok/s: 1,000-1,000 (1/1 cells)" in out
     assert "B=63 >= 1.3x chain at c=1: 1.55-1.55x (1/1 cells)" in out
     assert "B=63 >= 3.0x AR at c=1: 3.10-3.10x (1/1 cells)" in out
