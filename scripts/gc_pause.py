@@ -40,6 +40,7 @@ def main(argv=None) -> int:
     p.add_argument("--concurrency", type=int, default=4)
     p.add_argument("--requests", type=int, default=8)
     p.add_argument("--max-tokens", type=int, default=16)
+    p.add_argument("--prompts-json", default=None, help="exported eval prompts (as `ddtree bench` takes them)")
     p.add_argument("--out", default="bench/results/gc_pause_cpu.json")
     args = p.parse_args(argv)
 
@@ -47,7 +48,8 @@ def main(argv=None) -> int:
               max_num_seqs=max(4, args.concurrency))
     if llm.engine.runner.use_graphs:
         llm.engine.profile_auto()  # as the server and the bench do: every graph captured first
-    prompts = llm.apply_chat_templates(eval_conversations()["mtbench"][:args.requests])
+    convs = json.loads(Path(args.prompts_json).read_text()) if args.prompts_json else eval_conversations()
+    prompts = llm.apply_chat_templates(convs["mtbench"][:args.requests])
     methods = (("ar", 0), ("dflash", 0), ("ddtree", 16))
 
     def runs() -> list[dict]:
