@@ -273,3 +273,22 @@ def test_processed_requests_beside_graph_rounds(models):
         assert outs[i].token_ids == plain[i]
     for i in (1, 3):
         assert outs[i].token_ids == reference_greedy(models[0], prompts[i], processed, set())
+
+
+def test_graphs_captured_up_front_leave_nothing_to_capture_while_serving(models):
+    """The server's start-up capture (``capture_graphs`` in every sampling mode) covers what
+    greedy, sampled and top-p batches replay as their sequences grow through the key bounds and
+    the batch drains: generating afterwards captures no graph (a capture would stall every
+    stream in flight)."""
+    target, drafter = models
+    llm = LLM(target=target, drafter=drafter, method="ddtree", budget=16, device="cuda", dtype=torch.float32,
+              max_model_len=1024, max_num_seqs=4, kv_cache_gb=0.5, max_budget=32)
+    llm.engine.capture_graphs([("ddtree", 16, False)], ("greedy", "sample", "filtered"))
+    captured = llm.engine.runner.num_captured
+    prompts = _prompts(4)  # 5-64 tokens, then up to 700 more: past the 512-key bound
+    lengths = [700, 300, 120, 40]
+    for extra in ({"temperature": 0}, {"temperature": 1.0}, {"temperature": 1.0, "top_p": 0.9}):
+        params = [SamplingParams(max_tokens=n, ignore_eos=True, **extra) for n in lengths]
+        outs = llm.generate(prompts, params)
+        assert [len(o.token_ids) for o in outs] == lengths
+    assert llm.engine.runner.num_captured == captured

@@ -324,6 +324,32 @@ def test_graph_rounds_pick_their_key_bound_emulated(smol, tokenizer, prompts, ar
     assert runner.key_bound(2, 97) == 128 and runner.key_bound(2, 129) == runner.max_context
 
 
+def test_graphs_captured_up_front_cover_every_round_emulated(smol, tokenizer, prompts, ar_reference, monkeypatch):
+    """``capture_graphs`` (the server before serving, ``ddtree bench`` before a fixed method's
+    runs) captures every graph a fixed method's rounds replay: each batch bucket and each key bound
+    the sequences grow through. Generating afterwards captures nothing more (a capture while
+    serving stalls every stream) and stays AR-exact."""
+    from ddtree.engine import llm_engine, runner as runner_mod
+    monkeypatch.setattr(runner_mod, "StepGraph", _emulated_step_graph(runner_mod))
+    monkeypatch.setattr(runner_mod, "CatchUpGraph", _emulated_catch_up_graph(runner_mod))
+    monkeypatch.setattr(runner_mod, "PREFILL_BUCKETS", ())
+    monkeypatch.setattr(llm_engine, "PREFILL_BUCKETS", ())  # (prefill graphs need CUDA)
+    monkeypatch.setattr(runner_mod, "GRAPH_KEY_BOUNDS", (64, 96, 128))
+    monkeypatch.setattr(runner_mod, "KEY_BOUND_BATCH", 2)
+    monkeypatch.setattr(torch.cuda, "Event", _FakeEvent)
+    llm = make_llm(smol, tokenizer, method="ddtree", budget=12, drafter=SHIPPED, overlap_steps=True,
+                   max_budget=16, max_model_len=256, max_num_seqs=2)
+    runner = llm.engine.runner
+    runner.use_graphs = True
+    llm.engine.capture_graphs([("ddtree", 12, False)])
+    captured = set(runner.graphs)
+    assert {(bucket, bound) for _, bucket, bound, _ in captured} == {
+        (b, k) for b in (1, 2) for k in (64, 96, 128, runner.max_context)}
+    chosen = [prompts[i] for i in (0, 5)]
+    _check_equal(chosen, llm.generate(chosen, GREEDY_64), ar_reference)
+    assert set(runner.graphs) == captured and llm.engine.overlapped_rounds > 5
+
+
 @pytest.mark.parametrize("method,budget", [("ar", 0), ("ddtree", 12)])
 def test_joins_wait_under_load(smol, tokenizer, prompts, ar_reference, method, budget):
     """A request arriving at a running batch waits join_wait_rounds rounds for a group (rounds

@@ -161,6 +161,9 @@ def warm_up(llm, batch, method, budget, temperature, c, lengths, stop_at_eos: bo
         run_closed_loop(llm, batch, method, budget, temperature, lengths, c, stop_at_eos)
         return
     graphs = llm.engine.runner.use_graphs
+    # Every graph the runs may replay (longer sequences than the warm-up's cross key bounds)
+    llm.engine.capture_graphs([(method, budget if method == "ddtree" else 0, False)],
+                              ("greedy" if temperature <= 0 else "sample",), c)
     for b in [b for b in GRAPH_BUCKETS if b < c and graphs] + [c]:
         run_closed_loop(llm, batch[:b], method, budget, temperature, 4 if b < c else 16, b)
     if is_auto(budget):
@@ -330,7 +333,7 @@ def main(argv=None) -> int:
     if args.auto_trace:
         llm.engine.auto_trace = []
     t0 = time.perf_counter()
-    prior = llm.engine.profile_auto(sampling=any(t > 0 for t in temps))
+    prior = llm.engine.profile_auto(modes=sorted({"greedy" if t <= 0 else "sample" for t in temps}))
     if prior:
         print(f"auto: start-up cost curve for {len(prior)} (bucket, candidate) pairs in {time.perf_counter() - t0:.1f} s")
     if args.prompts_json:

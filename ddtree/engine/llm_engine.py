@@ -377,16 +377,20 @@ class LLMEngine:
             return budget
         return self.drafter.block_size - 1 if method == "dflash" else 0
 
-    def profile_auto(self, batch_sizes=None, sampling: bool = False) -> dict:
-        """Start-up cost curve for ``budget="auto"``: capture every candidate's step graph for the
-        batch buckets and time its replay (CUDA only; elsewhere costs come from real steps).
-        sampling=True also captures the graphs sampled batches use, so no capture stalls a step."""
+    def capture_graphs(self, rounds, modes=("greedy",), max_batch: int | None = None) -> None:
+        """Capture up front every graph a step may replay for ``rounds`` ((method, budget,
+        store_context) each; a fixed method's rounds do not store the drafter's context, auto's
+        do): each batch bucket up to ``max_batch`` (default max_num_seqs), each key bound, each
+        sampling mode of ``modes`` ("greedy", "sample", "filtered"), and the prefill and catch-up
+        steps. A graph captured when a round first needs it stalls every request in flight: in an
+        H100 grid (2026-12-07) fixed-budget runs captured key-bound graphs mid-run as their
+        sequences grew past the warm-up's, and lost up to 13 %. CUDA graphs only."""
         if not self.runner.use_graphs:
-            return {}
+            return
+
         def up_to(buckets, limit):  # the buckets a value <= limit can fall in
             return [b for i, b in enumerate(buckets) if i == 0 or buckets[i - 1] < limit]
 
-        # Prefill graphs too, so no capture stalls a request.
         for tokens in up_to(PREFILL_BUCKETS, self.config.max_num_batched_tokens):
             for seqs in up_to(PREFILL_SEQ_BUCKETS, self.config.max_num_seqs):
                 if seqs <= tokens:
@@ -394,14 +398,25 @@ class LLMEngine:
         if self.runner.tap_cache is not None:  # the catch-ups of deferred drafter context
             for tokens in CATCH_UP_BUCKETS:
                 self.runner.catch_up_graph(tokens)
+        for bucket in up_to(GRAPH_BUCKETS, max_batch or self.config.max_num_seqs):
+            for method, budget, store_context in rounds:
+                for max_keys in self.runner.key_bounds(bucket):
+                    for mode in modes:
+                        self.runner.round_graph(method, budget, bucket, mode, max_keys, store_context)
+
+    def profile_auto(self, batch_sizes=None, modes=("greedy",)) -> dict:
+        """Start-up cost curve for ``budget="auto"``: capture every candidate's step graphs
+        (``capture_graphs``, in the sampling ``modes`` requests will use) and time each batch
+        bucket's replay (CUDA only; elsewhere costs come from real steps)."""
+        if not self.runner.use_graphs:
+            return {}
+        self.capture_graphs([(method, budget, True) for method, budget in self.auto.candidates], modes,
+                            max(batch_sizes) if batch_sizes else None)
         top = self.auto.bucket_of(self.config.max_num_seqs)
         for n in batch_sizes or [b for b in GRAPH_BUCKETS if b <= top]:
             bucket = self.auto.bucket_of(n)
             for cand in self.auto.candidates:
                 self.auto.prior[(bucket, cand)] = self.runner.time_graph(*cand, bucket, greedy=True)
-                for max_keys in self.runner.key_bounds(bucket):  # the graphs of every key bound
-                    for greedy in (True, False) if sampling else (True,):
-                        self.runner.round_graph(*cand, bucket, greedy, max_keys)
         return dict(self.auto.prior)
 
     def _append(self, seq: Sequence, tokens: list[int], logprobs: list | None = None) -> None:

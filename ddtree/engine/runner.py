@@ -778,10 +778,12 @@ class ModelRunner:
             graph = self.graphs[key] = StepGraph(self, kind, bucket, self.graph_pool, self.profile_stages, max_keys)
         return graph
 
-    def round_graph(self, method: str, budget: int, bucket: int, greedy: bool, max_keys: int) -> StepGraph:
-        """The step graph of a round (captured if needed)."""
-        kind = StepKind(method, budget if method == "ddtree" else 0, "greedy" if greedy else "sample",
-                        self.drafter_kv is not None)
+    def round_graph(self, method: str, budget: int, bucket: int, sampling: str, max_keys: int,
+                    store_context: bool = True) -> StepGraph:
+        """The step graph of a round (captured if needed); ``sampling``: "greedy", "sample" or
+        "filtered" (``step_kind``); ``store_context``: as ``launch`` (auto's rounds store it)."""
+        kind = StepKind(method, budget if method == "ddtree" else 0, sampling,
+                        store_context and self.drafter_kv is not None)
         return self._graph(kind, bucket, max_keys)
 
     @torch.inference_mode()
@@ -791,7 +793,8 @@ class ModelRunner:
         reads a realistic prefix), the graph of the key bound a round there replays."""
         context = max(0, min(context, self.max_context - self.lookahead(method, budget) - 1))
         max_keys = self.key_bound(bucket, context + self.lookahead(method, budget) + 1)
-        return self.round_graph(method, budget, bucket, greedy, max_keys).replay_seconds(context, reps)
+        return self.round_graph(method, budget, bucket, "greedy" if greedy else "sample", max_keys).replay_seconds(
+            context, reps)
 
     def round_stages(self, kind: StepKind, inp: StepInputs, max_keys: int, state: dict,
                      seqs: list[Sequence] | None = None, generators=None, need_logits: bool = False,

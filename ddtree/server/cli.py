@@ -44,10 +44,18 @@ def cmd_serve(args) -> int:
     from ddtree.server.serving import make_server
 
     llm = llm_from_args(args)
-    if llm.engine.runner.use_graphs and llm.engine.config.budget == "auto":
+    if llm.engine.runner.use_graphs:
+        # Every graph the configured method may replay, captured before serving (a capture while
+        # serving stalls every stream); a request choosing another method or budget captures its
+        # own on first use.
         t0 = time.perf_counter()
-        llm.engine.profile_auto(sampling=True)  # captures every step graph up front, too
-        log.info("auto budget: start-up cost curve measured in %.1f s", time.perf_counter() - t0)
+        cfg, modes = llm.engine.config, ("greedy", "sample", "filtered")
+        if cfg.budget == "auto":
+            llm.engine.profile_auto(modes=modes)
+            log.info("auto budget: start-up cost curve measured in %.1f s", time.perf_counter() - t0)
+        else:
+            llm.engine.capture_graphs([(cfg.method, cfg.budget if cfg.method == "ddtree" else 0, False)], modes)
+            log.info("CUDA graphs captured in %.1f s", time.perf_counter() - t0)
     app = build_app(llm, served_model_name=args.served_model_name,
                     shutdown_grace_s=args.timeout_graceful_shutdown)
     server = make_server(app, args.host, args.port, log_level=args.log_level,

@@ -30,7 +30,7 @@ def main() -> None:
     args = p.parse_args()
     c = args.concurrency
     llm = LLM(target=args.target, method="ddtree", budget="auto", max_num_seqs=c, kv_cache_gb=8)
-    llm.engine.profile_auto(sampling=args.temperature > 0)
+    llm.engine.profile_auto(modes=("sample",) if args.temperature > 0 else ("greedy",))
     convs = json.load(open(args.prompts_json))[args.dataset]
     count = 4 * c
     ids = [llm.apply_chat_template(convs[i % len(convs)]) for i in range(count)]
