@@ -162,8 +162,7 @@ def warm_up(llm, batch, method, budget, temperature, c, lengths, stop_at_eos: bo
         return
     graphs = llm.engine.runner.use_graphs
     # Every graph the runs may replay (longer sequences than the warm-up's cross key bounds)
-    llm.engine.capture_graphs([(method, budget if method == "ddtree" else 0, False)],
-                              ("greedy" if temperature <= 0 else "sample",), c)
+    llm.engine.capture_graphs([(method, budget, False)], ("greedy" if temperature <= 0 else "sample",), c)
     for b in [b for b in GRAPH_BUCKETS if b < c and graphs] + [c]:
         run_closed_loop(llm, batch[:b], method, budget, temperature, 4 if b < c else 16, b)
     if is_auto(budget):

@@ -54,7 +54,7 @@ def cmd_serve(args) -> int:
             llm.engine.profile_auto(modes=modes)
             log.info("auto budget: start-up cost curve measured in %.1f s", time.perf_counter() - t0)
         else:
-            llm.engine.capture_graphs([(cfg.method, cfg.budget if cfg.method == "ddtree" else 0, False)], modes)
+            llm.engine.capture_graphs([(cfg.method, cfg.budget, False)], modes)  # (round_graph drops a non-tree budget)
             log.info("CUDA graphs captured in %.1f s", time.perf_counter() - t0)
     app = build_app(llm, served_model_name=args.served_model_name,
                     shutdown_grace_s=args.timeout_graceful_shutdown)
