@@ -3,6 +3,9 @@ prints the summary lines and the README's markdown table, so the figures are com
 
 python scripts/bench_goals.py bench/results/bench_h200_phase10.json \
     --previous bench/results/bench_h200_phase9.json   # adds that grid's B÷AR and auto÷best per cell
+
+A grid with policies side by side (``--methods ...,auto,auto:switch=0.05``) counts ``--auto``'s rows
+as auto's (default: plain ``auto``) and prints the others' auto ÷ best line too.
 """
 from __future__ import annotations
 
@@ -14,11 +17,15 @@ DATASETS = {"humaneval": "HumanEval", "mtbench": "MT-Bench"}
 STALL_S = 0.01  # a run's collector time worth reporting (a round is ~1 ms on the GPU)
 
 
-def cells(path: str) -> dict:
-    """{(dataset, T, c): {"ar" | "dflash" | "ddtree" | "auto": row}} (one DDTree budget per grid)."""
+def cells(path: str, auto: str = "auto") -> dict:
+    """{(dataset, T, c): {"ar" | "dflash" | "ddtree" | "auto": row}} (one DDTree budget per grid;
+    ``auto``: the auto policy whose rows are auto's, e.g. "auto:switch=0.05")."""
     out: dict = {}
     for r in json.loads(Path(path).read_text())["results"]:
-        name = "auto" if r["method"] == "auto" or r["budget"] == "auto" else r["method"]
+        variant = isinstance(r["budget"], str) and r["budget"].startswith("auto")
+        if variant and r["budget"] != auto:
+            continue
+        name = "auto" if variant else r["method"]
         out.setdefault((r["dataset"], r["temperature"], r["concurrency"]), {})[name] = r
     for key, cell in out.items():
         missing = {"ar", "dflash", "ddtree", "auto"} - set(cell)
@@ -40,8 +47,9 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("grid")
     p.add_argument("--previous", help="an earlier grid of the same cells, for the last column")
+    p.add_argument("--auto", default="auto", help="the auto policy to count as auto (e.g. auto:switch=0.05)")
     args = p.parse_args()
-    grid = cells(args.grid)
+    grid = cells(args.grid, args.auto)
     previous = cells(args.previous) if args.previous else {}
     budgets = {cell["ddtree"]["budget"] for cell in grid.values()}
     if len(budgets) != 1:
@@ -57,6 +65,11 @@ def main() -> None:
         print(f"B={b} >= {line}x {name} at c=1: {span(xs)}x ({sum(x >= line for x in xs)}/{len(xs)} cells)")
     xs = [r["auto_vs_best"] for r in rs.values()]
     print(f"auto >= 1.0x best(AR, chain): {span(xs, '{:.3f}')}x ({sum(x >= 1 for x in xs)}/{len(xs)} cells)")
+    policies = {r["budget"] for r in json.loads(Path(args.grid).read_text())["results"]
+                if isinstance(r["budget"], str) and r["budget"].startswith("auto")} - {args.auto}
+    for other in sorted(policies):
+        xs = [ratios(cell)["auto_vs_best"] for cell in cells(args.grid, other).values()]
+        print(f"  {other} >= 1.0x best(AR, chain): {span(xs, '{:.3f}')}x ({sum(x >= 1 for x in xs)}/{len(xs)} cells)")
     xs = [100 * r["tree_work"] for r in rs.values()]
     print(f"build + accept + commit <= 10 % of the B={b} round: {span(xs, '{:.1f}')} % ({sum(x <= 10 for x in xs)}/{len(xs)} rows)")
     # Grids since frozen_heap keep what stalled each run: collector time and mid-run captures.
