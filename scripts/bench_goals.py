@@ -4,7 +4,7 @@ prints the summary lines and the README's markdown table, so the figures are com
 python scripts/bench_goals.py bench/results/bench_h200_phase10.json \
     --previous bench/results/bench_h200_phase9.json   # adds that grid's B÷AR and auto÷best per cell
 
-A grid with policies side by side (``--methods ...,auto,auto:switch=0.05``) counts ``--auto``'s rows
+A grid with policies side by side (``--methods ...,auto,auto:0.05``) counts ``--auto``'s rows
 as auto's (default: plain ``auto``) and prints the others' auto ÷ best line too.
 """
 from __future__ import annotations
@@ -19,7 +19,7 @@ STALL_S = 0.01  # a run's collector time worth reporting (a round is ~1 ms on th
 
 def cells(path: str, auto: str = "auto") -> dict:
     """{(dataset, T, c): {"ar" | "dflash" | "ddtree" | "auto": row}} (one DDTree budget per grid;
-    ``auto``: the auto policy whose rows are auto's, e.g. "auto:switch=0.05")."""
+    ``auto``: the auto policy whose rows are auto's, e.g. "auto:0.05")."""
     out: dict = {}
     for r in json.loads(Path(path).read_text())["results"]:
         variant = isinstance(r["budget"], str) and r["budget"].startswith("auto")
@@ -47,7 +47,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("grid")
     p.add_argument("--previous", help="an earlier grid of the same cells, for the last column")
-    p.add_argument("--auto", default="auto", help="the auto policy to count as auto (e.g. auto:switch=0.05)")
+    p.add_argument("--auto", default="auto", help="the auto policy to count as auto (e.g. auto:0.05)")
     args = p.parse_args()
     grid = cells(args.grid, args.auto)
     previous = cells(args.previous) if args.previous else {}

@@ -472,33 +472,3 @@ def test_auto_keeps_trees_across_closed_loop_drains():
     assert best > 1.05 * plain
     rates = [r for seed in range(4) for r in simulate_closed_loop(16, 64, 6, seed)]
     assert statistics.mean(rates) / best >= 0.97, [round(r / best, 3) for r in rates]
-
-
-def test_switching_between_plain_decoding_and_speculation_needs_the_switch_margin():
-    """A switch between plain decoding and speculation costs more than its rounds show (the drafter
-    catches up its deferred context, the next launch waits), so with ``switch_margin`` the side
-    that ran last stays until the other leads by the margin; moving between speculative
-    candidates stays free. Explorations still run (they are not switches of the choice)."""
-    plain, small, big = ("ar", 0), ("ddtree", 7), ("ddtree", 15)
-    controller = AutoBudget([plain, small, big], bucket_of=lambda n: n, switch_margin=0.05)
-    assert controller.exploit({plain: 1.0, small: 1.04, big: 0.9}) == small  # nothing chosen yet
-    controller.exploiting = plain
-    assert controller.exploit({plain: 1.0, small: 1.04, big: 0.9}) == plain
-    assert controller.exploit({plain: 1.0, small: 1.06, big: 0.9}) == small
-    controller.exploiting = small
-    assert controller.exploit({plain: 1.04, small: 1.0, big: 0.9}) == small
-    assert controller.exploit({plain: 1.04, small: 0.9, big: 1.0}) == big  # the best speculation
-    assert controller.exploit({plain: 1.06, small: 1.0, big: 0.9}) == plain
-    assert controller.exploit({plain: 1.0, small: 1.01, big: 1.02}) == big
-    controller.switch_margin = 0.0
-    controller.exploiting = plain
-    assert controller.exploit({plain: 1.0, small: 1.01, big: 0.9}) == small
-    # Through choose(): the choice stays on plain decoding while a tree leads by less than 5 %.
-    controller = AutoBudget([plain, small], bucket_of=lambda n: n, switch_margin=0.05, explore_every=10**9)
-    for cand, seconds, tau in [(plain, 1.0, 1.0)] * 4 + [(small, 2.0, 2.06)] * 4:
-        controller.observe(1, cand, seconds, tau)
-    controller.exploiting = plain
-    assert {controller.choose(1) for _ in range(20)} == {plain}
-    for _ in range(128):
-        controller.observe_tau(small, 2.2)  # now 10 % ahead
-    assert controller.choose(1) == small and controller.exploiting == small

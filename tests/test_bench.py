@@ -5,7 +5,7 @@ import json
 import pytest
 
 from ddtree import SamplingParams
-from ddtree.bench.speed import auto_margins, main, parse_methods, request_lengths, run_closed_loop
+from ddtree.bench.speed import main, parse_methods, request_lengths, run_closed_loop
 from ddtree.engine.auto_budget import auto_candidates
 
 from conftest import make_llm
@@ -14,13 +14,8 @@ from conftest import make_llm
 def test_parse_methods():
     assert parse_methods("ar,dflash,ddtree:16,auto,auto:0.1") == [("ar", 0), ("dflash", 0), ("ddtree", 16),
                                                                    ("ddtree", "auto"), ("ddtree", "auto:0.1")]
-    assert parse_methods("auto:switch=0.05") == [("ddtree", "auto:switch=0.05")]
-    assert auto_margins("auto:switch=0.05") == {"switch_margin": 0.05}
-    assert auto_margins("auto:0.1") == {"ar_margin": 0.1}
     with pytest.raises(ValueError):
         parse_methods("auto:x")
-    with pytest.raises(ValueError, match="auto:switch=M"):
-        parse_methods("auto:hold=0.1")
     with pytest.raises(ValueError, match="budget"):
         parse_methods("ddtree")
     with pytest.raises(ValueError, match="unknown method"):
@@ -159,12 +154,12 @@ def test_bench_goals_reads_the_goal_ratios_from_a_grid(tmp_path):
     assert "10 % of the B=63 round: 5.0-20.0 % (1/2 rows)" in out
     assert "| HumanEval T=0 c=4 | 900 | 1,000 | 1,200 | 1,100 | 1.100 | 1.20 | 1.33 | 3.00 |" in out
     # another auto policy side by side: its own line, and --auto makes its rows auto's
-    rows += [row("ddtree", "auto:switch=0.05", 2100.0, 1), row("ddtree", "auto:switch=0.05", 990.0, 4)]
+    rows += [row("ddtree", "auto:0.05", 2100.0, 1), row("ddtree", "auto:0.05", 990.0, 4)]
     grid.write_text(json.dumps({"meta": {}, "results": rows}))
     out = subprocess.run([sys.executable, script, grid], capture_output=True, text=True, check=True).stdout
     assert "auto >= 1.0x best(AR, chain): 0.950-1.100x (1/2 cells)" in out
-    assert "auto:switch=0.05 >= 1.0x best(AR, chain): 0.990-1.050x (1/2 cells)" in out
-    out = subprocess.run([sys.executable, script, grid, "--auto", "auto:switch=0.05"], capture_output=True,
+    assert "auto:0.05 >= 1.0x best(AR, chain): 0.990-1.050x (1/2 cells)" in out
+    out = subprocess.run([sys.executable, script, grid, "--auto", "auto:0.05"], capture_output=True,
                          text=True, check=True).stdout
     assert "auto >= 1.0x best(AR, chain): 0.990-1.050x (1/2 cells)" in out and "  auto >= 1.0x" in out
     for extra, error in [(row("ddtree", 31, 1.0, 4), "expected one DDTree budget per grid"),

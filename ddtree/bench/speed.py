@@ -33,9 +33,9 @@ def parse_methods(text: str) -> list[tuple[str, int | str]]:
     out = []
     for item in text.split(","):
         name, _, budget = item.strip().partition(":")
-        if name == "auto":  # auto:M / auto:switch=M = auto with that ar_margin / switch_margin
+        if name == "auto":  # auto:M = auto with ar_margin M (a side-by-side of policies)
             if budget:
-                auto_margins(f"auto:{budget}")
+                float(budget)
             out.append(("ddtree", f"auto:{budget}" if budget else "auto"))
             continue
         if name not in ("ar", "dflash", "ddtree"):
@@ -46,22 +46,13 @@ def parse_methods(text: str) -> list[tuple[str, int | str]]:
     return out
 
 
-def auto_margins(budget: str) -> dict[str, float]:
-    """The AutoBudget margins an ``auto:...`` method of a side-by-side of policies sets."""
-    spec = budget[5:]
-    key, _, value = spec.rpartition("=")
-    if key not in ("", "switch"):
-        raise ValueError(f"--methods: auto:{spec}: expected auto:M (ar_margin) or auto:switch=M")
-    return {"switch_margin" if key else "ar_margin": float(value)}
-
-
 def is_auto(budget) -> bool:
     return isinstance(budget, str) and budget.startswith("auto")
 
 
 def label(method: str, budget) -> str:
     if is_auto(budget):
-        return "auto" if budget == "auto" else f"auto {budget[5:] if '=' in budget else 'm=' + budget[5:]}"
+        return "auto" if budget == "auto" else f"auto m={budget[5:]}"
     return method if method != "ddtree" else f"ddtree B={budget}"
 
 
@@ -186,8 +177,7 @@ def bench(llm, prompts: dict[str, list[list[int]]], methods, concurrency, temper
     still leaves data). join_waits: values of the scheduler's ``join_wait_rounds`` to run every
     method with, side by side (default: the engine's)."""
     rows = []
-    auto = llm.engine.auto
-    default_margins = {"ar_margin": auto.ar_margin, "switch_margin": auto.switch_margin}
+    default_margin = llm.engine.auto.ar_margin
     scheduler = llm.engine.scheduler
     join_waits = join_waits or [scheduler.join_wait_rounds]
     for name, ids in prompts.items():
@@ -197,9 +187,7 @@ def bench(llm, prompts: dict[str, list[list[int]]], methods, concurrency, temper
                     scheduler.join_wait_rounds = wait
                     for method, budget in methods:
                         if is_auto(budget):  # the engine's budget is "auto"; a margin is auto's state
-                            for key, value in {**default_margins,
-                                               **(auto_margins(budget) if budget != "auto" else {})}.items():
-                                setattr(auto, key, value)
+                            llm.engine.auto.ar_margin = float(budget[5:]) if budget != "auto" else default_margin
                         count = max(per_run(c), c)
                         batch = [ids[i % len(ids)] for i in range(count)]
                         lengths = request_lengths(max_tokens, count, fixed_lengths)
@@ -239,8 +227,6 @@ def bench(llm, prompts: dict[str, list[list[int]]], methods, concurrency, temper
                     for r in rows[-len(methods):]:
                         r["speedup_vs_ar"] = r["tokens_per_s"] / ar["tokens_per_s"] if ar else None
     scheduler.join_wait_rounds = join_waits[0]
-    for key, value in default_margins.items():
-        setattr(auto, key, value)
     return rows
 
 
@@ -363,7 +349,6 @@ def main(argv=None) -> int:
             "max_tokens": args.max_tokens, "fixed_lengths": args.fixed_lengths, "stop_at_eos": args.stop_at_eos,
             "requests_per_run": {c: per_run(c) for c in concurrency}, "quick": args.quick,
             "cuda_graphs": llm.engine.runner.use_graphs, "auto_ar_margin": llm.engine.auto.ar_margin,
-            "auto_switch_margin": llm.engine.auto.switch_margin,
             "auto_cost_prior_s": {f"{b}:{m}:{k}": v for (b, (m, k)), v in prior.items()}}
     if llm.device.type == "cuda":
         import torch

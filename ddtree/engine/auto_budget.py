@@ -95,8 +95,6 @@ from collections import deque
 # grid at c=4-16. The node dropped is the tree's least likely (tau the same within noise).
 AUTO_BUDGETS = (7, 15, 31, 63, 127)
 PLAIN = ("ar", 0)
-# Lead a rate needs over the current side to switch between plain decoding and speculation.
-SWITCH_MARGIN = 0.0
 
 
 def auto_candidates(cap: int, has_drafter: bool, budgets=AUTO_BUDGETS) -> list[tuple[str, int]]:
@@ -131,7 +129,7 @@ class Recent:
 class AutoBudget:
     def __init__(self, candidates: list[tuple[str, int]], bucket_of, tau_window: int = 128,
                  explore_every: int = 8, explore_margin: float = 0.8, min_tries: int = 4,
-                 ar_margin: float = 0.0, explore_budget: float = 0.005, switch_margin: float = SWITCH_MARGIN):
+                 ar_margin: float = 0.0, explore_budget: float = 0.005):
         self.candidates = candidates
         self.bucket_of = bucket_of
         self.explore_every, self.explore_margin = explore_every, explore_margin
@@ -141,9 +139,6 @@ class AutoBudget:
         self.min_tries = min_tries
         # Speculation must beat plain decoding's rate by this fraction to be chosen over it.
         self.ar_margin = ar_margin
-        # Leaving plain decoding for speculation, or back, needs this lead (see SWITCH_MARGIN).
-        self.switch_margin = switch_margin
-        self.exploiting: tuple[str, int] | None = None  # the latest choice that was not an exploration
         self.prior: dict[tuple[int, tuple[str, int]], float] = {}    # start-up profile
         self.tau: dict[tuple[str, int], float] = {("ar", 0): 1.0}
         # recent (sequences, tokens per sequence) per step, and their running sums (n * tau, n)
@@ -230,8 +225,9 @@ class AutoBudget:
             if costs[cand] is None:
                 return cand
         rates = self.rates(bucket, fresh, costs)
-        best = self.exploit(rates)
-        self.exploiting = best
+        best = max(self.candidates, key=rates.get)
+        if best != ("ar", 0) and rates[best] < (1 + self.ar_margin) * rates[("ar", 0)]:
+            best = ("ar", 0)
         self.steps += 1
         # Every step earns explore_budget of its time as credit for exploring (capped, so a long
         # spell of steps does not buy a burst of explorations).
@@ -311,19 +307,6 @@ class AutoBudget:
         if any(self.tries.get(c, 0) < self.min_tries or self.step_cost(bucket, c, fresh) is None
                for c in self.candidates):
             return None
-        return self.exploit(self.rates(bucket, fresh))
-
-    def exploit(self, rates: dict) -> tuple[str, int]:
-        """The candidate of the best rate, with plain decoding's margins: speculation needs
-        ``ar_margin`` over plain decoding, and a switch between the two (from the latest choice that
-        was not an exploration) needs ``switch_margin`` over staying."""
+        rates = self.rates(bucket, fresh)
         best = max(self.candidates, key=rates.get)
-        plain = rates[PLAIN]
-        if best != PLAIN and rates[best] < (1 + self.ar_margin) * plain:
-            best = PLAIN
-        if self.exploiting is None or (best == PLAIN) == (self.exploiting == PLAIN):
-            return best
-        if best != PLAIN:  # on plain decoding: stay unless speculation leads by the margin
-            return best if rates[best] >= (1 + self.switch_margin) * plain else PLAIN
-        spec = max((c for c in self.candidates if c != PLAIN), key=rates.get)
-        return PLAIN if plain >= (1 + self.switch_margin) * rates[spec] else spec
+        return ("ar", 0) if rates[best] < (1 + self.ar_margin) * rates[("ar", 0)] else best
