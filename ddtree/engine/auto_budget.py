@@ -79,6 +79,12 @@ lockstep (see ``ddtree.bench.speed``), which per-step rates do not see. A margin
 return to a tree after a chance dip of its tau estimate (``test_auto_rate_close_to_the_best_in_
 simulation``: 0.92x instead of 0.97x the best at c=1 with 0.1), so it is not the default.
 
+A hysteresis between plain decoding and speculation (leaving the side chosen last only for a 3 %
+lead in rate; moves among trees and the chain free) was measured side by side on an H100
+(``bench_h100_capture_graphs.json``, ``auto:switch=0.03``) and removed: 1.001x plain ``auto``
+over 16 cells, and at MT-Bench T=1 c=64, the close call it was meant for, 0.979x: once on 7-node
+trees it stayed there while plain decoding was faster.
+
 Larger batches make verification cost grow with the tree, so the choice slides from big trees
 at concurrency 1 to small trees, the chain, or plain decoding when the GPU is saturated.
 """
